@@ -1,0 +1,24 @@
+# `make demo` and `make test` bootstrap .venv themselves; the install step reruns only
+# when pyproject.toml changes (the stamp file is older than it).
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+PYTEST_WORKERS ?= 2
+
+.PHONY: demo test results bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m specrl_jax.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache results

@@ -1,0 +1,165 @@
+"""Frozen, keyword-only, self-validating configuration dataclasses.
+
+Every config checks itself in ``__post_init__`` and raises ``ConfigError`` with a
+message that names the field, the bad value and what is allowed, so a typo in an
+experiment fails at construction rather than deep inside a jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A configuration field holds a value outside its allowed range."""
+
+
+def check(condition: bool, owner: str, field: str, value: Any, allowed: str) -> None:
+  """Raises ConfigError naming ``owner.field`` when ``condition`` is false."""
+  if not condition:
+    raise ConfigError(f"{owner}.{field}={value!r} is invalid: expected {allowed}.")
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+  check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        owner, name, value, "a positive integer")
+
+
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Decoder-only transformer of the Llama / Qwen2 / Qwen3 family."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 1e6
+  rms_norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qk_norm: bool = True
+  attention_bias: bool = False
+  max_position_embeddings: int = 32768
+  # Llama-3.x "llama3" RoPE frequency scaling as a tuple of
+  # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+  rope_llama3_scaling: tuple[float, float, float, int] | None = None
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    owner = "ModelConfig"
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+      _positive_int(owner, name, getattr(self, name))
+    check(self.num_heads % self.num_kv_heads == 0, owner, "num_kv_heads",
+          self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
+    check(self.head_dim % 2 == 0, owner, "head_dim", self.head_dim,
+          "an even number (rotary embeddings rotate pairs)")
+    check(float(self.rope_theta) > 0, owner, "rope_theta", self.rope_theta, "> 0")
+    check(0 < float(self.rms_norm_eps) < 1, owner, "rms_norm_eps", self.rms_norm_eps,
+          "in (0, 1)")
+    check(self.param_dtype in _DTYPES, owner, "param_dtype", self.param_dtype,
+          f"one of {_DTYPES}")
+    check(self.dtype in _DTYPES, owner, "dtype", self.dtype, f"one of {_DTYPES}")
+    if self.rope_llama3_scaling is not None:
+      check(len(self.rope_llama3_scaling) == 4 and self.rope_llama3_scaling[0] >= 1,
+            owner, "rope_llama3_scaling", self.rope_llama3_scaling,
+            "None or (factor>=1, low_freq_factor, high_freq_factor, original_max_positions)")
+
+  @property
+  def num_groups(self) -> int:
+    """Query heads per KV head (grouped-query attention)."""
+    return self.num_heads // self.num_kv_heads
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def num_params(self) -> int:
+    """Parameter count, embeddings included (tied embeddings counted once)."""
+    d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if self.attention_bias:
+      attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+    norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+    per_layer = attn + 3 * d * f + norms
+    head = 0 if self.tie_embeddings else d * v
+    return v * d + self.num_layers * per_layer + d + head
+
+
+# Named configs used by benchmarks, demos and tests.
+PRESETS: dict[str, ModelConfig] = {
+    # The benchmark model of the sampler issue: Qwen3 architecture, ~160M params.
+    "bench-160m": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                              num_layers=8, num_heads=16, num_kv_heads=8, head_dim=64),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+  """How tokens are drawn from the policy. temperature=0 means greedy (argmax).
+
+  The same warp (temperature, then top-k, then top-p) defines the distribution that
+  plain sampling draws from, that speculative verification preserves, and whose
+  log-probs are reported for RL.
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0  # 0 disables top-k
+  top_p: float = 1.0  # 1.0 disables top-p
+  max_new_tokens: int = 16
+  stop_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    owner = "SamplingParams"
+    check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, owner,
+          "temperature", self.temperature, "a number >= 0 (0 means greedy)")
+    check(isinstance(self.top_k, int) and self.top_k >= 0, owner, "top_k", self.top_k,
+          "an integer >= 0 (0 disables top-k)")
+    check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, owner, "top_p",
+          self.top_p, "a number in (0, 1] (1 disables top-p)")
+    _positive_int(owner, "max_new_tokens", self.max_new_tokens)
+    stops = self.stop_token_ids
+    check(isinstance(stops, tuple) and all(isinstance(t, int) and t >= 0 for t in stops),
+          owner, "stop_token_ids", stops, "a tuple of non-negative token ids")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+  """Speculative decoding shape.
+
+  A chain of ``num_draft_tokens`` drafts, or a static ``tree`` giving the number of
+  children per node at each depth, e.g. (3, 2, 1) = 3 + 6 + 6 draft nodes.
+  draft_mode "sample" draws drafts from the drafter's distribution q; "greedy" takes
+  its top tokens (a point mass / top-b distinct children).
+  """
+
+  num_draft_tokens: int = 3
+  tree: tuple[int, ...] | None = None
+  draft_mode: str = "sample"
+
+  def __post_init__(self):
+    owner = "SpecConfig"
+    _positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
+    if self.tree is not None:
+      check(isinstance(self.tree, tuple) and len(self.tree) > 0
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                    for b in self.tree),
+            owner, "tree", self.tree,
+            "None or a non-empty tuple of positive children counts per depth, e.g. (3, 2, 1)")
+    check(self.draft_mode in ("sample", "greedy"), owner, "draft_mode", self.draft_mode,
+          "'sample' or 'greedy'")
+
+  @property
+  def depth(self) -> int:
+    """Longest run of draft tokens one round can accept."""
+    return len(self.tree) if self.tree is not None else self.num_draft_tokens
