@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-# Large negative instead of -inf: a fully masked row (a padding query) must give
-# finite zeros after softmax, not NaN that leaks into gradients.
+# Large negative instead of -inf, so a fully masked row (a padding query) gives no NaN
+# (which would leak into gradients); such rows are then zeroed explicitly.
 MASK_VALUE = -1e30
 
 
@@ -37,6 +37,8 @@ def grouped_attention(q_BxTxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array,
   scores_BxKxGxTxS = scores_BxKxGxTxS * (head_dim ** -0.5)
   scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, MASK_VALUE)
   probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
+  sees_anything_BxT = jnp.any(mask_BxTxS, axis=-1)
+  probs_BxKxGxTxS = jnp.where(sees_anything_BxT[:, None, None, :, None], probs_BxKxGxTxS, 0.0)
   out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs_BxKxGxTxS.astype(v_BxSxKxD.dtype),
                              v_BxSxKxD, preferred_element_type=jnp.float32)
   return out_BxTxKxGxD.reshape(batch, q_len, num_heads, head_dim).astype(q_BxTxHxD.dtype)

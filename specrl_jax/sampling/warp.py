@@ -45,3 +45,16 @@ def warped_log_probs(logits_NxV: Array, params: SamplingParams) -> Array:
 def sample_tokens(rng: Array, log_probs_NxV: Array) -> Array:
   """Draws one token per row from log-probabilities (int32)."""
   return jax.random.categorical(rng, log_probs_NxV, axis=-1).astype(jnp.int32)
+
+
+def proposal_log_probs(logits_NxV: Array, params: SamplingParams) -> Array:
+  """The distribution q a drafter proposes from.
+
+  Verification is exact for any q, but acceptance is highest when q matches the
+  target's warped distribution, so drafters use the same warp. A greedy target is the
+  exception: a point-mass q would rank only one candidate, so q keeps the drafter's
+  plain softmax to order tree children.
+  """
+  if params.greedy:
+    return jax.nn.log_softmax(logits_NxV.astype(jnp.float32), axis=-1)
+  return warped_log_probs(logits_NxV, params)

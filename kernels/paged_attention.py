@@ -1,0 +1,234 @@
+"""Pallas paged attention for decode and for speculative verification.
+
+One call attends ``T`` query tokens per sequence (1 for plain decode, a chain or a tree
+of drafts for verification) to two kinds of keys: the sequence's committed prefix,
+stored in pages of a shared pool and visible to every query, and the call's own ``T``
+new keys, visible according to ``new_mask_BxTxT``. The result matches
+``specrl_jax.kv.paged.paged_attention_reference``, which gathers every page and runs
+dense masked attention; this kernel instead streams only the pages a sequence uses.
+
+Kernel layout (flash-decoding with an online softmax):
+  grid = (batch, kv head, page block). One program owns the ``T * groups`` query rows
+  that share a KV head, so every key page is read once for all of them. The page
+  table and prefix lengths are scalar-prefetched: the index maps use them to fetch
+  the pages of one block, and blocks past the prefix re-use the last useful block
+  index (so the pipeline issues no copy) and skip their compute. The new tokens and
+  their mask are folded in at the last page block, which also normalises and writes
+  the output.
+
+Compiled, this is a TPU (Mosaic) kernel: scalar prefetch and a reduction over a
+sequential grid axis have no counterpart in the Triton backend, so ``paged_attention``
+uses the reference elsewhere. On CPU it runs with ``interpret=True`` (the tests).
+It has not been compiled on a TPU yet: the pool layout [P, S, KV, D] makes a page
+block's squeezed KV axis the second-minor one, which Mosaic's tiling rules may reject
+for KV > 1; a [KV, P, S, D] pool (as in jax's TPU paged attention) would avoid that.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from specrl_jax.config import check
+from specrl_jax.kv.paged import paged_attention_reference
+from specrl_jax.models.attention import MASK_VALUE
+
+Array = jax.Array
+
+# About this many prefix keys per grid step when pages_per_block is left to us: enough
+# to fill a 128-wide matrix unit without holding many page buffers.
+_TARGET_KEYS_PER_BLOCK = 128
+
+
+def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxSxKxD: Array,
+                           v_pages_PxSxKxD: Array, page_table_BxM: Array,
+                           prefix_lengths_B: Array, k_new_BxTxKxD: Array,
+                           v_new_BxTxKxD: Array, new_mask_BxTxT: Array, *,
+                           interpret: bool = False,
+                           pages_per_block: int | None = None) -> Array:
+  """Paged attention as a Pallas kernel; same contract as the reference. [B, T, H, D].
+
+  Query rows that may see no key at all (no prefix and an all-false mask row, i.e.
+  padding) come out as zeros; the reference averages every value there instead.
+  ``pages_per_block``: pages handled per grid step (None: about 128 keys' worth).
+  """
+  batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
+  _, page_size, num_kv_heads, _ = k_pages_PxSxKxD.shape
+  max_pages = page_table_BxM.shape[1]
+  _check_shapes(q_BxTxHxD, k_pages_PxSxKxD, v_pages_PxSxKxD, page_table_BxM,
+                prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT)
+  if pages_per_block is None:
+    pages_per_block = min(max_pages, max(1, _TARGET_KEYS_PER_BLOCK // page_size))
+  check(isinstance(pages_per_block, int) and 1 <= pages_per_block, "paged_attention_pallas",
+        "pages_per_block", pages_per_block, "a positive integer")
+  groups = num_heads // num_kv_heads
+  rows = q_len * groups
+  num_blocks = pl.cdiv(max_pages, pages_per_block)
+
+  # Rows of one KV head ordered (token, group) so the mask expands by repetition.
+  q_BxKxRxD = (q_BxTxHxD.reshape(batch, q_len, num_kv_heads, groups, head_dim)
+               .transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim))
+  k_new_BxKxTxD = k_new_BxTxKxD.astype(k_pages_PxSxKxD.dtype).transpose(0, 2, 1, 3)
+  v_new_BxKxTxD = v_new_BxTxKxD.astype(v_pages_PxSxKxD.dtype).transpose(0, 2, 1, 3)
+  # Booleans are not a supported memory type on every backend; int32 is.
+  new_mask_BxTxT = new_mask_BxTxT.astype(jnp.int32)
+
+  def page_index_map(slot_in_block):
+    def index_map(b, kv_head, block, page_table_ref, prefix_lengths_ref):
+      # Slots past the prefix point at its last page: an unchanged block index means
+      # no copy, and their keys are masked anyway.
+      last_used = jnp.maximum(pl.cdiv(prefix_lengths_ref[b], page_size) - 1, 0)
+      slot = jnp.minimum(jnp.minimum(block * pages_per_block + slot_in_block, last_used),
+                         max_pages - 1)
+      return page_table_ref[b, slot], 0, kv_head, 0
+    return index_map
+
+  page_specs = [pl.BlockSpec((None, page_size, None, head_dim), page_index_map(i))
+                for i in range(pages_per_block)]
+  per_head = lambda b, kv_head, block, *_: (b, kv_head, 0, 0)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(batch, num_kv_heads, num_blocks),
+      in_specs=[
+          pl.BlockSpec((None, None, rows, head_dim), per_head),
+          pl.BlockSpec((None, None, q_len, head_dim), per_head),
+          pl.BlockSpec((None, None, q_len, head_dim), per_head),
+          pl.BlockSpec((None, q_len, q_len), lambda b, kv_head, block, *_: (b, 0, 0)),
+          *page_specs, *page_specs],
+      out_specs=pl.BlockSpec((None, None, rows, head_dim), per_head),
+      scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32),
+                      pltpu.VMEM((rows, 1), jnp.float32),
+                      pltpu.VMEM((rows, head_dim), jnp.float32)])
+  kernel = functools.partial(_paged_attention_kernel, pages_per_block=pages_per_block,
+                             page_size=page_size, groups=groups, scale=head_dim ** -0.5)
+  out_BxKxRxD = pl.pallas_call(
+      kernel,
+      grid_spec=grid_spec,
+      out_shape=jax.ShapeDtypeStruct(q_BxKxRxD.shape, q_BxTxHxD.dtype),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+  )(page_table_BxM.astype(jnp.int32), prefix_lengths_B.astype(jnp.int32), q_BxKxRxD,
+    k_new_BxKxTxD, v_new_BxKxTxD, new_mask_BxTxT,
+    *([k_pages_PxSxKxD] * pages_per_block), *([v_pages_PxSxKxD] * pages_per_block))
+  return (out_BxKxRxD.reshape(batch, num_kv_heads, q_len, groups, head_dim)
+          .transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim))
+
+
+def _paged_attention_kernel(page_table_ref, prefix_lengths_ref, q_ref, k_new_ref, v_new_ref,
+                            new_mask_ref, *refs, pages_per_block, page_size, groups, scale):
+  del page_table_ref  # Consumed by the index maps.
+  k_page_refs = refs[:pages_per_block]
+  v_page_refs = refs[pages_per_block:2 * pages_per_block]
+  out_ref, max_ref, sum_ref, acc_ref = refs[2 * pages_per_block:]
+  block = pl.program_id(2)
+  prefix_length = prefix_lengths_ref[pl.program_id(0)]
+  block_keys = pages_per_block * page_size
+  state = _OnlineSoftmax(q_ref, max_ref, sum_ref, acc_ref, scale)
+
+  @pl.when(block == 0)
+  def _init():
+    # The running max starts at the mask value, not -inf: -inf - -inf would be NaN.
+    max_ref[...] = jnp.full(max_ref.shape, MASK_VALUE, jnp.float32)
+    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(block * block_keys < prefix_length)
+  def _prefix_block():
+    k_NxD = jnp.concatenate([ref[...] for ref in k_page_refs], axis=0)
+    v_NxD = jnp.concatenate([ref[...] for ref in v_page_refs], axis=0)
+    position_1xN = block * block_keys + jax.lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
+    state.update(k_NxD, v_NxD, position_1xN < prefix_length)
+
+  @pl.when(block == pl.num_programs(2) - 1)
+  def _new_tokens_and_output():
+    mask_TxT = new_mask_ref[...] != 0
+    q_len = mask_TxT.shape[0]
+    mask_RxT = jnp.broadcast_to(mask_TxT[:, None, :], (q_len, groups, q_len)).reshape(
+        q_len * groups, q_len)
+    state.update(k_new_ref[...], v_new_ref[...], mask_RxT)
+    total = sum_ref[...]
+    out = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0)
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+class _OnlineSoftmax:
+  """Running (max, sum, weighted values) of the softmax over key blocks seen so far."""
+
+  def __init__(self, q_ref, max_ref, sum_ref, acc_ref, scale: float):
+    self.q_ref, self.max_ref, self.sum_ref, self.acc_ref = q_ref, max_ref, sum_ref, acc_ref
+    self.scale = scale
+
+  def update(self, k_NxD: Array, v_NxD: Array, visible_RxN: Array) -> None:
+    contract_last = (((1,), (1,)), ((), ()))
+    scores_RxN = jax.lax.dot_general(self.q_ref[...], k_NxD, contract_last,
+                                     preferred_element_type=jnp.float32) * self.scale
+    scores_RxN = jnp.where(visible_RxN, scores_RxN, MASK_VALUE)
+    max_prev = self.max_ref[...]
+    max_new = jnp.maximum(max_prev, scores_RxN.max(axis=1, keepdims=True))
+    # Masked keys get exactly zero weight, so a row that has seen nothing keeps sum 0.
+    probs_RxN = jnp.where(visible_RxN, jnp.exp(scores_RxN - max_new), 0.0)
+    rescale = jnp.exp(max_prev - max_new)
+    self.sum_ref[...] = rescale * self.sum_ref[...] + probs_RxN.sum(axis=1, keepdims=True)
+    self.acc_ref[...] = rescale * self.acc_ref[...] + jnp.dot(
+        probs_RxN.astype(v_NxD.dtype), v_NxD, preferred_element_type=jnp.float32)
+    self.max_ref[...] = max_new
+
+
+def _check_shapes(q_BxTxHxD, k_pages_PxSxKxD, v_pages_PxSxKxD, page_table_BxM,
+                  prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT) -> None:
+  batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
+  num_pages, page_size, num_kv_heads, _ = k_pages_PxSxKxD.shape
+  new_shape = (batch, q_len, num_kv_heads, head_dim)
+  expected = (
+      ("k_pages_PxSxKxD", k_pages_PxSxKxD.shape, (num_pages, page_size, num_kv_heads, head_dim)),
+      ("v_pages_PxSxKxD", v_pages_PxSxKxD.shape, k_pages_PxSxKxD.shape),
+      ("page_table_BxM", page_table_BxM.shape, (batch, page_table_BxM.shape[-1])),
+      ("prefix_lengths_B", prefix_lengths_B.shape, (batch,)),
+      ("k_new_BxTxKxD", k_new_BxTxKxD.shape, new_shape),
+      ("v_new_BxTxKxD", v_new_BxTxKxD.shape, new_shape),
+      ("new_mask_BxTxT", new_mask_BxTxT.shape, (batch, q_len, q_len)),
+  )
+  for name, got, want in expected:
+    if tuple(got) != tuple(want):
+      raise ValueError(f"paged attention: {name} has shape {tuple(got)}, expected {tuple(want)} "
+                       f"from q_BxTxHxD {q_BxTxHxD.shape} and k_pages_PxSxKxD "
+                       f"{k_pages_PxSxKxD.shape}.")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"paged attention: {num_heads} query heads are not a multiple of "
+                     f"{num_kv_heads} KV heads.")
+
+
+IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {
+    "reference": paged_attention_reference,
+    "pallas": paged_attention_pallas,
+}
+
+
+def default_implementation() -> str:
+  """The compiled kernel where it lowers (TPU); the pure-JAX reference elsewhere."""
+  return "pallas" if jax.default_backend() == "tpu" else "reference"
+
+
+def paged_attention(q_BxTxHxD: Array, k_pages_PxSxKxD: Array, v_pages_PxSxKxD: Array,
+                    page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxTxKxD: Array,
+                    v_new_BxTxKxD: Array, new_mask_BxTxT: Array, *,
+                    implementation: str | None = None) -> Array:
+  """Paged attention through the chosen implementation (default: per backend).
+
+  "pallas" off TPU runs the kernel in interpret mode: correct, and slow.
+  """
+  implementation = implementation or default_implementation()
+  check(implementation in IMPLEMENTATIONS, "paged_attention", "implementation",
+        implementation, f"one of {tuple(IMPLEMENTATIONS)}")
+  attention_fn = IMPLEMENTATIONS[implementation]
+  if implementation == "pallas":
+    attention_fn = functools.partial(attention_fn,
+                                     interpret=jax.default_backend() != "tpu")
+  return attention_fn(q_BxTxHxD, k_pages_PxSxKxD, v_pages_PxSxKxD, page_table_BxM,
+                      prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT)

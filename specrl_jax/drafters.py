@@ -1,0 +1,7 @@
+"""``sj.drafters``: the proposal mechanisms speculative decoding can use."""
+
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.drafters.draft_model import DraftModel
+from specrl_jax.speculative.drafters.ngram import NGram
+
+__all__ = ["Drafter", "DraftModel", "NGram", "RoundInputs"]

@@ -1,0 +1,273 @@
+"""The decode engine: slots, admission, emission and the jitted decode loop.
+
+A fixed number of slots decode in lock step. Requests (one per prompt sample) wait in
+order; whenever a slot's sequence ends, its pages are released and the slot takes the
+next waiting request (continuous batching), so a long-tailed response length does not
+idle the batch. What a "round" does to the active slots is pluggable: plain decoding
+emits one token per slot, speculative decoding emits up to k + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specrl_jax.config import SamplingParams, check
+from specrl_jax.kv import pool as page_pool
+from specrl_jax.kv.paged import PagedKV
+from specrl_jax.kv.pool import TRASH_PAGE, PagePool
+from specrl_jax.sampling.warp import sample_tokens
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """Static shape of the decode engine.
+
+  num_slots: sequences decoded together (0 = one per request, at most 256).
+  page_size: tokens per KV page.
+  num_pages: pages in the pool (0 = enough for every prompt plus every slot's longest
+    sequence, so the pool cannot run out).
+  continuous_batching: refill a slot as soon as its sequence ends; when False, wait
+    until the whole batch has finished (static batching).
+  prompt_bucket: prompts are padded to a multiple of this, bounding recompilation.
+  """
+  num_slots: int = 0
+  page_size: int = 16
+  num_pages: int = 0
+  continuous_batching: bool = True
+  prompt_bucket: int = 16
+
+  def __post_init__(self):
+    owner = "EngineConfig"
+    check(isinstance(self.num_slots, int) and self.num_slots >= 0, owner, "num_slots",
+          self.num_slots, "an integer >= 0 (0 = one per request)")
+    check(isinstance(self.page_size, int) and self.page_size > 0, owner, "page_size",
+          self.page_size, "a positive integer")
+    check(isinstance(self.num_pages, int) and (self.num_pages == 0 or self.num_pages >= 2),
+          owner, "num_pages", self.num_pages, "0 (automatic) or an integer >= 2")
+    check(isinstance(self.prompt_bucket, int) and self.prompt_bucket > 0, owner,
+          "prompt_bucket", self.prompt_bucket, "a positive integer")
+
+
+@flax.struct.dataclass
+class Prompts:
+  """Prefilled prompts, constant during the loop (U unique prompts, R requests)."""
+  page_table_UxM: Array        # pages holding each prompt's KV
+  lengths_U: Array
+  first_log_probs_UxV: Array   # warped log-probs of the first response token
+  tokens_UxT: Array            # padded prompt tokens (drafters read them)
+  prompt_of_request_R: Array   # which prompt each request samples
+  last_request_U: Array        # the last request of each prompt (its pages' holder lets go then)
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """Everything the decode loop carries. N slots, M pages per slot, R requests, L new tokens."""
+  pool: PagePool
+  kv: PagedKV
+  num_pages_N: Array
+  cache_lengths_N: Array       # tokens whose KV is committed
+  last_token_N: Array          # emitted, not yet in the cache: the next round's input
+  slot_request_N: Array        # -1 = free slot
+  generated_N: Array
+  finished_N: Array
+  next_request: Array
+  out_tokens_RxL: Array
+  out_log_probs_RxL: Array
+  out_lengths_R: Array
+  history_NxC: Array           # prompt + emitted tokens of each slot (-1 beyond); drafters read it
+  prompt_lengths_N: Array
+  rng: Array
+  counters: dict[str, Array]
+  drafter: Any = ()
+
+  @property
+  def num_slots(self) -> int:
+    return self.slot_request_N.shape[0]
+
+  @property
+  def active_N(self) -> Array:
+    return (self.slot_request_N >= 0) & ~self.finished_N
+
+
+def emit(state: DecodeState, tokens_NxK: Array, log_probs_NxK: Array, counts_N: Array,
+         sampling: SamplingParams) -> tuple[DecodeState, Array]:
+  """Appends up to counts_N[n] tokens to each slot's response.
+
+  A stop token ends the response after itself; max_new_tokens truncates the run.
+  Returns (state, emitted counts). Tokens past a stop or the budget are dropped.
+  """
+  num_candidates = tokens_NxK.shape[1]
+  max_new = state.out_tokens_RxL.shape[1]
+  index_K = jnp.arange(num_candidates)
+  valid_NxK = index_K[None, :] < counts_N[:, None]
+  stops = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
+  is_stop_NxK = jnp.isin(tokens_NxK, stops) & valid_NxK
+  any_stop_N = jnp.any(is_stop_NxK, axis=1)
+  through_stop_N = jnp.where(any_stop_N, jnp.argmax(is_stop_NxK, axis=1) + 1, counts_N)
+  budget_N = max_new - state.generated_N
+  emitted_N = jnp.clip(jnp.minimum(through_stop_N, budget_N), 0, None)
+  emitted_N = jnp.where(state.slot_request_N >= 0, emitted_N, 0)
+
+  write_NxK = index_K[None, :] < emitted_N[:, None]
+  rows = jnp.where(write_NxK, state.slot_request_N[:, None], state.out_tokens_RxL.shape[0])
+  cols = state.generated_N[:, None] + index_K[None, :]
+  out_tokens = state.out_tokens_RxL.at[rows, cols].set(tokens_NxK, mode="drop")
+  out_log_probs = state.out_log_probs_RxL.at[rows, cols].set(log_probs_NxK, mode="drop")
+  generated_N = state.generated_N + emitted_N
+  out_lengths = state.out_lengths_R.at[
+      jnp.where(emitted_N > 0, state.slot_request_N, state.out_lengths_R.shape[0])].set(
+          generated_N, mode="drop")
+  history_cols = jnp.where(write_NxK, state.prompt_lengths_N[:, None] + cols,
+                           state.history_NxC.shape[1])
+  history = state.history_NxC.at[jnp.arange(state.num_slots)[:, None], history_cols].set(
+      tokens_NxK, mode="drop")
+  stopped_N = any_stop_N & (through_stop_N <= emitted_N)
+  finished_N = state.finished_N | ((emitted_N > 0) & (stopped_N | (generated_N >= max_new)))
+  last_index_N = jnp.maximum(emitted_N - 1, 0)
+  last_token_N = jnp.where(emitted_N > 0,
+                           jnp.take_along_axis(tokens_NxK, last_index_N[:, None], 1)[:, 0],
+                           state.last_token_N)
+  state = state.replace(out_tokens_RxL=out_tokens, out_log_probs_RxL=out_log_probs,
+                        out_lengths_R=out_lengths, generated_N=generated_N,
+                        finished_N=finished_N, last_token_N=last_token_N, history_NxC=history)
+  return state, emitted_N
+
+
+def reserve_pages(state: DecodeState, needed_lengths_N: Array, max_new_pages: int) -> DecodeState:
+  """Makes sure each slot owns pages for positions [0, needed_lengths_N)."""
+  page_size = state.kv.k_pages[0].shape[1]
+  max_pages = state.kv.page_table_BxM.shape[1]
+  wanted_N = jnp.minimum(-(-needed_lengths_N // page_size), max_pages)
+  counts_N = jnp.clip(wanted_N - state.num_pages_N, 0, max_new_pages)
+  pool, pages_NxA, ok = page_pool.allocate(state.pool, counts_N, max_new_pages)
+  index_A = jnp.arange(max_new_pages)
+  cols = jnp.where((index_A[None, :] < counts_N[:, None]) & ok,
+                   state.num_pages_N[:, None] + index_A[None, :], max_pages)
+  rows = jnp.broadcast_to(jnp.arange(state.num_slots)[:, None], cols.shape)
+  table = state.kv.page_table_BxM.at[rows, cols].set(pages_NxA, mode="drop")
+  return state.replace(pool=pool, kv=state.kv.replace(page_table_BxM=table),
+                       num_pages_N=state.num_pages_N + jnp.where(ok, counts_N, 0))
+
+
+def release_finished(state: DecodeState) -> DecodeState:
+  """Frees the slots whose sequence ended and gives their pages back."""
+  done_N = (state.slot_request_N >= 0) & state.finished_N
+  max_pages = state.kv.page_table_BxM.shape[1]
+  owned_NxM = (jnp.arange(max_pages)[None, :] < state.num_pages_N[:, None]) & done_N[:, None]
+  pool = page_pool.release(state.pool, state.kv.page_table_BxM, owned_NxM)
+  table = jnp.where(done_N[:, None], TRASH_PAGE, state.kv.page_table_BxM)
+  return state.replace(pool=pool, kv=state.kv.replace(page_table_BxM=table),
+                       num_pages_N=jnp.where(done_N, 0, state.num_pages_N),
+                       slot_request_N=jnp.where(done_N, -1, state.slot_request_N),
+                       finished_N=jnp.where(done_N, False, state.finished_N))
+
+
+AdmitHook = Callable[[DecodeState, Array, Array, "Prompts"], DecodeState]
+
+
+def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
+          continuous: bool, on_admit: AdmitHook | None = None) -> DecodeState:
+  """Puts waiting requests into free slots and emits their first token.
+
+  The admitted sample references its prompt's full pages (no copy) and gets a private
+  copy of the prompt's partly filled last page, which it will keep writing into.
+  """
+  num_requests = prompts.prompt_of_request_R.shape[0]
+  page_size = state.kv.k_pages[0].shape[1]
+  max_pages = state.kv.page_table_BxM.shape[1]
+  free_N = state.slot_request_N < 0
+  if not continuous:
+    free_N = free_N & ~jnp.any(state.slot_request_N >= 0)
+  request_N = state.next_request + jnp.cumsum(free_N) - 1
+  admit_N = free_N & (request_N < num_requests)
+  request_N = jnp.where(admit_N, request_N, 0)
+  prompt_N = prompts.prompt_of_request_R[request_N]
+  length_N = prompts.lengths_U[prompt_N]
+  full_N = length_N // page_size
+  has_tail_N = admit_N & (length_N % page_size > 0)
+
+  column_M = jnp.arange(max_pages)
+  prompt_pages = prompts.page_table_UxM[prompt_N]
+  prompt_pages_NxM = jnp.pad(prompt_pages, ((0, 0), (0, max_pages - prompt_pages.shape[1])))
+  shared_NxM = admit_N[:, None] & (column_M[None, :] < full_N[:, None])
+  pool = page_pool.add_references(state.pool, prompt_pages_NxM, shared_NxM)
+  pool, tail_Nx1, _ = page_pool.allocate(pool, has_tail_N.astype(jnp.int32), 1)
+  row_NxM = jnp.where(shared_NxM, prompt_pages_NxM, TRASH_PAGE)
+  row_NxM = jnp.where((column_M[None, :] == full_N[:, None]) & has_tail_N[:, None],
+                      tail_Nx1, row_NxM)
+  source_N = jnp.where(has_tail_N,
+                       jnp.take_along_axis(prompt_pages_NxM, full_N[:, None], 1)[:, 0],
+                       TRASH_PAGE)
+  destination_N = jnp.where(has_tail_N, tail_Nx1[:, 0], TRASH_PAGE)
+  k_pages = tuple(k.at[destination_N].set(k[source_N]) for k in state.kv.k_pages)
+  v_pages = tuple(v.at[destination_N].set(v[source_N]) for v in state.kv.v_pages)
+  table = jnp.where(admit_N[:, None], row_NxM, state.kv.page_table_BxM)
+
+  # The prompt's own reference (held since prefill) goes once its last sample is in.
+  next_request = state.next_request + jnp.sum(admit_N, dtype=jnp.int32)
+  newly_complete_U = ((prompts.last_request_U >= state.next_request)
+                      & (prompts.last_request_U < next_request))
+  prompt_page_count_U = -(-prompts.lengths_U // page_size)
+  held_UxM = newly_complete_U[:, None] & (
+      jnp.arange(prompts.page_table_UxM.shape[1])[None, :] < prompt_page_count_U[:, None])
+  pool = page_pool.release(pool, prompts.page_table_UxM, held_UxM)
+
+  context = state.history_NxC.shape[1]
+  prompt_tokens_NxT = prompts.tokens_UxT[prompt_N]
+  prompt_row_NxC = jnp.full((state.num_slots, context), -1, jnp.int32).at[
+      :, :prompt_tokens_NxT.shape[1]].set(prompt_tokens_NxT)
+  prompt_row_NxC = jnp.where(jnp.arange(context)[None, :] < length_N[:, None], prompt_row_NxC, -1)
+  history_NxC = jnp.where(admit_N[:, None], prompt_row_NxC, state.history_NxC)
+
+  rng, key = jax.random.split(state.rng)
+  first_log_probs_NxV = prompts.first_log_probs_UxV[prompt_N]
+  first_N = sample_tokens(key, first_log_probs_NxV)
+  first_log_prob_N = jnp.take_along_axis(first_log_probs_NxV, first_N[:, None], 1)
+  state = state.replace(
+      pool=pool,
+      kv=state.kv.replace(k_pages=k_pages, v_pages=v_pages, page_table_BxM=table),
+      num_pages_N=jnp.where(admit_N, full_N + has_tail_N, state.num_pages_N),
+      cache_lengths_N=jnp.where(admit_N, length_N, state.cache_lengths_N),
+      slot_request_N=jnp.where(admit_N, request_N, state.slot_request_N),
+      generated_N=jnp.where(admit_N, 0, state.generated_N),
+      finished_N=jnp.where(admit_N, False, state.finished_N),
+      next_request=next_request, rng=rng, history_NxC=history_NxC,
+      prompt_lengths_N=jnp.where(admit_N, length_N, state.prompt_lengths_N))
+  if on_admit is not None:
+    state = on_admit(state, admit_N, prompt_N, prompts)
+  state, _ = emit(state, first_N[:, None], first_log_prob_N, admit_N.astype(jnp.int32),
+                  sampling)
+  return state
+
+
+RoundFn = Callable[[DecodeState], DecodeState]
+
+
+def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
+             sampling: SamplingParams, *, continuous: bool,
+             on_admit: AdmitHook | None = None) -> DecodeState:
+  """Decodes until every request has finished or the page pool ran out."""
+  num_requests = prompts.prompt_of_request_R.shape[0]
+
+  def keep_going(state):
+    pending = jnp.any(state.slot_request_N >= 0) | (state.next_request < num_requests)
+    return pending & ~state.pool.exhausted
+
+  def body(state):
+    state = jax.lax.cond(jnp.any((state.slot_request_N >= 0) & state.finished_N),
+                         release_finished, lambda s: s, state)
+    state = jax.lax.cond(
+        jnp.any(state.slot_request_N < 0) & (state.next_request < num_requests),
+        lambda s: admit(s, prompts, sampling, continuous=continuous, on_admit=on_admit),
+        lambda s: s, state)
+    return jax.lax.cond(jnp.any(state.active_N) & ~state.pool.exhausted, round_fn,
+                        lambda s: s, state)
+
+  return jax.lax.while_loop(keep_going, body, state)

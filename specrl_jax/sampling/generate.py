@@ -1,0 +1,240 @@
+"""``specrl_jax.generate``: the public rollout entry point (plain or speculative)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specrl_jax.config import SamplingParams, SpecConfig
+from specrl_jax.kv import pool as page_pool
+from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
+from specrl_jax.models.transformer import Transformer
+from specrl_jax.sampling.engine import DecodeState, EngineConfig, run_loop
+from specrl_jax.sampling.plain import plain_round
+from specrl_jax.sampling.prefill import prefill
+from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.round import speculative_round
+from specrl_jax.speculative.topology import TreeTopology
+
+
+class PagePoolExhaustedError(RuntimeError):
+  """The KV page pool could not hold the live sequences."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """Rollouts for R requests with at most L = max_new_tokens tokens each.
+
+  tokens: int32 [R, L], -1 after each response's end (a stop token is included).
+  lengths: int32 [R].
+  logprobs: float32 [R, L], log-prob of each emitted token under the warped target
+    distribution it was sampled from (0 after the end).
+  stats: acceptance_length, target_calls, generated_tokens, seconds, ...
+  """
+  tokens: np.ndarray
+  lengths: np.ndarray
+  logprobs: np.ndarray
+  stats: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Static shapes of one compiled generate program."""
+  num_slots: int
+  page_size: int
+  num_pages: int
+  max_pages_per_seq: int
+  max_new_tokens: int
+  continuous: bool
+
+
+def _validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
+                      sampling: SamplingParams, max_positions: int) -> list[list[int]]:
+  if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+    raise ValueError("prompts must be a non-empty list of token-id lists; got "
+                     f"{type(prompts).__name__} of length {len(prompts) if hasattr(prompts, '__len__') else '?'}.")
+  checked = []
+  for index, prompt in enumerate(prompts):
+    ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
+    if not ids:
+      raise ValueError(f"prompts[{index}] is empty: every prompt needs at least one token.")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"prompts[{index}] has token id {bad[0]} outside the vocabulary "
+                       f"[0, {vocab_size}).")
+    if len(ids) + sampling.max_new_tokens > max_positions:
+      raise ValueError(
+          f"prompts[{index}] has {len(ids)} tokens; with max_new_tokens="
+          f"{sampling.max_new_tokens} that exceeds the model's context of {max_positions} "
+          "positions (ModelConfig.max_position_embeddings).")
+    checked.append(ids)
+  return checked
+
+
+def _group_prompts(prompts: list[list[int]]):
+  """Distinct prompts (first-seen order), each request's prompt and each prompt's last request."""
+  index_of: dict[tuple[int, ...], int] = {}
+  prompt_of_request = []
+  for prompt in prompts:
+    prompt_of_request.append(index_of.setdefault(tuple(prompt), len(index_of)))
+  unique = list(index_of)
+  last_request = np.zeros(len(unique), np.int32)
+  for request, prompt in enumerate(prompt_of_request):
+    last_request[prompt] = request
+  return unique, np.asarray(prompt_of_request, np.int32), last_request
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
+             sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
+             drafter=None, spec: SpecConfig | None = None,
+             engine: EngineConfig = EngineConfig()) -> GenerateOutput:
+  """Samples a response for every prompt (repeat a prompt G times for a GRPO group:
+  identical prompts are prefilled once and share their KV pages)."""
+  config = model.config
+  prompts = _validate_prompts(prompts, config.vocab_size, sampling,
+                              config.max_position_embeddings)
+  if rng is None:
+    rng = jax.random.key(0)
+  elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.wrap_key_data(rng)
+  unique, prompt_of_request, last_request = _group_prompts(prompts)
+  bucket = engine.prompt_bucket
+  padded = -(-max(len(p) for p in unique) // bucket) * bucket
+  tokens = np.zeros((len(unique), padded), np.int32)
+  for row, prompt in enumerate(unique):
+    tokens[row, :len(prompt)] = prompt
+  lengths = np.asarray([len(p) for p in unique], np.int32)
+
+  num_requests = len(prompts)
+  num_slots = engine.num_slots or min(num_requests, 256)
+  topology = draft_mode = None
+  if drafter is not None:
+    spec = spec or SpecConfig()
+    topology = TreeTopology.from_spec(spec)
+    # With a greedy target only the argmax can be accepted: rank children instead of
+    # sampling them (still exact, and never worse).
+    draft_mode = "greedy" if sampling.greedy else spec.draft_mode
+    drafter = drafter.bind(config)
+  elif spec is not None:
+    raise ValueError("spec was given without a drafter: pass drafter=sj.drafters.... to "
+                     "decode speculatively, or drop spec for plain decoding.")
+  lookahead = 1 if drafter is None else topology.depth + 1
+  page_size = engine.page_size
+  max_pages = -(-(padded + sampling.max_new_tokens + lookahead) // page_size)
+  num_pages = engine.num_pages or (
+      1 + int(np.sum(-(-lengths // page_size))) + num_slots * max_pages)
+  layout = _Layout(num_slots=num_slots, page_size=page_size, num_pages=num_pages,
+                   max_pages_per_seq=max_pages, max_new_tokens=sampling.max_new_tokens,
+                   continuous=engine.continuous_batching)
+  graphdef, params = nnx.split(model)
+  start = time.perf_counter()
+  final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
+                    jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(prompt_of_request),
+                    jnp.asarray(last_request), rng, sampling=sampling, layout=layout,
+                    drafter=drafter, topology=topology, draft_mode=draft_mode)
+  final = jax.device_get(final)
+  seconds = time.perf_counter() - start
+  if final.pool.exhausted:
+    raise PagePoolExhaustedError(
+        f"KV page pool exhausted: {num_pages} pages of {page_size} tokens cannot hold "
+        f"{num_slots} live sequences of up to {max_pages * page_size} tokens plus "
+        f"{len(unique)} prompts. Raise EngineConfig.num_pages (at least "
+        f"{1 + int(np.sum(-(-lengths // page_size))) + num_slots * max_pages} always "
+        "suffices) or lower EngineConfig.num_slots.")
+  return _to_output(final, seconds)
+
+
+def _to_output(final: DecodeState, seconds: float) -> GenerateOutput:
+  lengths = np.asarray(final.out_lengths_R)
+  counters = {name: np.asarray(value) for name, value in final.counters.items()}
+  generated = int(lengths.sum())
+  target_calls = int(counters["target_calls"])
+  stats: dict[str, Any] = {
+      "generated_tokens": generated,
+      "target_calls": target_calls,
+      "seconds": seconds,
+      "tokens_per_second": generated / seconds if seconds > 0 else float("nan"),
+  }
+  drafted_rounds = int(counters.get("draft_rounds", 0))
+  if drafted_rounds:
+    accepted = counters["accepted_per_position"]
+    stats["acceptance_length"] = 1.0 + float(accepted.sum()) / drafted_rounds
+    stats["per_position_acceptance"] = (accepted / drafted_rounds).tolist()
+    stats["draft_rounds"] = drafted_rounds
+  else:
+    stats["acceptance_length"] = 1.0
+    stats["per_position_acceptance"] = []
+  return GenerateOutput(tokens=np.asarray(final.out_tokens_RxL), lengths=lengths,
+                        logprobs=np.asarray(final.out_log_probs_RxL), stats=stats)
+
+
+def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
+               drafter: Drafter | None = None, topology: TreeTopology | None = None
+               ) -> DecodeState:
+  layer_shapes = ((config.num_kv_heads, config.head_dim),) * config.num_layers
+  counters = {"target_calls": jnp.int32(0)}
+  drafter_state = ()
+  if drafter is not None:
+    layer_shapes += drafter.kv_layers()
+    counters["draft_rounds"] = jnp.int32(0)
+    counters["accepted_per_position"] = jnp.zeros((topology.depth,), jnp.int32)
+    drafter_state = drafter.init_state(layout.num_slots)
+  k_pages, v_pages = init_pages(layer_shapes, layout.num_pages, layout.page_size,
+                                jnp.dtype(config.dtype))
+  n = layout.num_slots
+  kv = PagedKV(k_pages=k_pages, v_pages=v_pages,
+               page_table_BxM=jnp.zeros((n, layout.max_pages_per_seq), jnp.int32),
+               prefix_lengths_B=jnp.zeros((n,), jnp.int32),
+               new_mask_BxTxT=jnp.ones((n, 1, 1), bool),
+               write_positions_BxT=jnp.full((n, 1), -1, jnp.int32))
+  zeros_N = jnp.zeros((n,), jnp.int32)
+  context = layout.max_pages_per_seq * layout.page_size
+  return DecodeState(
+      pool=page_pool.init_pool(layout.num_pages), kv=kv, num_pages_N=zeros_N,
+      cache_lengths_N=zeros_N, last_token_N=zeros_N, slot_request_N=zeros_N - 1,
+      generated_N=zeros_N, finished_N=jnp.zeros((n,), bool), next_request=jnp.int32(0),
+      out_tokens_RxL=jnp.full((num_requests, layout.max_new_tokens), -1, jnp.int32),
+      out_log_probs_RxL=jnp.zeros((num_requests, layout.max_new_tokens), jnp.float32),
+      out_lengths_R=jnp.zeros((num_requests,), jnp.int32),
+      history_NxC=jnp.full((n, context), -1, jnp.int32), prompt_lengths_N=zeros_N,
+      rng=rng, counters=counters, drafter=drafter_state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "layout", "drafter",
+                                             "topology", "draft_mode"))
+def _generate(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_request_R,
+              last_request_U, rng, *, sampling: SamplingParams, layout: _Layout,
+              drafter: Drafter | None, topology: TreeTopology | None, draft_mode: str | None):
+  model = nnx.merge(graphdef, params)
+  state = init_state(model.config, layout, prompt_of_request_R.shape[0], rng, drafter, topology)
+  drafter_prefill = on_admit = None
+  round_fn = lambda s: plain_round(model, s, sampling)
+  if drafter is not None:
+    offset = model.config.num_layers
+
+    def drafter_prefill(prefill_kv, target_output):
+      nonlocal state
+      drafter_state, view = drafter.prefill(drafter_params, state.drafter,
+                                            LayerOffset(inner=prefill_kv, offset=offset),
+                                            tokens_UxT, lengths_U, target_output)
+      state = state.replace(drafter=drafter_state)
+      return view.inner
+
+    def on_admit(s, admit_N, prompt_N, prompts):
+      return s.replace(drafter=drafter.on_admit(drafter_params, s.drafter, admit_N,
+                                                prompts.lengths_U[prompt_N]))
+
+    round_fn = lambda s: speculative_round(model, drafter, drafter_params, s, sampling,
+                                           topology, draft_mode)
+  pool, kv, prompts = prefill(model, state.pool, state.kv, tokens_UxT, lengths_U,
+                              prompt_of_request_R, last_request_U, sampling, drafter_prefill)
+  state = state.replace(pool=pool, kv=kv)
+  return run_loop(state, prompts, round_fn, sampling, continuous=layout.continuous,
+                  on_admit=on_admit)

@@ -1,0 +1,88 @@
+"""The drafter interface: what any proposal mechanism implements to plug into
+``sj.generate``. A drafter proposes the tree level by level:
+
+  start(...)  -> q at the root (the next token after the last emitted one)
+  extend(...) -> q at each node of the next tree level, given those nodes' tokens
+
+and the engine turns each q into children (sampled without replacement, or the top
+tokens), verifies the tree against the target and emits the accepted path. Drafters are
+hashable static objects; their array state lives in ``params()`` and the per-slot
+``state`` pytree the engine carries through the decode loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import flax.struct
+import jax
+
+from specrl_jax.config import SamplingParams
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class RoundInputs:
+  """What a drafter may read at the start of a round (N slots, history of C tokens).
+
+  last_token_N sits at position cache_lengths_N[n]; it is emitted but not yet in any
+  cache. history_NxC holds prompt + emitted tokens (-1 beyond).
+  """
+  last_token_N: Array
+  cache_lengths_N: Array
+  history_NxC: Array
+  active_N: Array
+
+
+class Drafter(abc.ABC):
+  """Base class for drafters. Subclasses implement ``start`` and ``extend``."""
+
+  # Target layers whose outputs the drafter reads from verification (EAGLE-3: low,
+  # middle, high). Empty for drafters that do not read hidden states.
+  hidden_layers: tuple[int, ...] = ()
+
+  def check_target(self, target_config) -> None:
+    """Raises a clear error when this drafter cannot serve ``target_config``."""
+
+  def bind(self, target_config) -> "Drafter":
+    """The drafter ready to serve ``target_config`` (checked; may fill in its vocab)."""
+    self.check_target(target_config)
+    return self
+
+  def kv_layers(self) -> tuple[tuple[int, int], ...]:
+    """(num_kv_heads, head_dim) of each KV layer the drafter keeps in the page pool."""
+    return ()
+
+  def params(self) -> Any:
+    """Array pytree passed into the compiled program (weights, tables)."""
+    return ()
+
+  def init_state(self, num_slots: int) -> Any:
+    return ()
+
+  def prefill(self, params, state, kv, tokens_UxT: Array, lengths_U: Array,
+              target_output) -> tuple[Any, Any]:
+    """Writes the drafter's KV for the prompts (kv: its layers of the prompt pages)."""
+    return state, kv
+
+  def on_admit(self, params, state, admit_N: Array, prompt_lengths_N: Array) -> Any:
+    return state
+
+  @abc.abstractmethod
+  def start(self, params, state, kv, inputs: RoundInputs, sampling: SamplingParams,
+            max_pending: int) -> tuple[Array, Any, Any, Any]:
+    """Returns (log q [N, V] at the root, state, kv, scratch for ``extend``)."""
+
+  @abc.abstractmethod
+  def extend(self, params, state, kv, scratch, inputs: RoundInputs,
+             sampling: SamplingParams, depth: int, tokens_NxW: Array, paths_NxWxD: Array,
+             mask_WxE) -> tuple[Array, Any]:
+    """log q [N, W, V] after each of the W nodes at ``depth`` (their tokens and the
+    token paths from depth 1 down to them are given), and the updated scratch."""
+
+  def finish(self, params, state, kv, inputs: RoundInputs, verdict, target_output
+             ) -> tuple[Any, Any]:
+    """Sees the verification outcome (e.g. to read the target's hidden states)."""
+    return state, kv

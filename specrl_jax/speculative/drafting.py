@@ -1,0 +1,67 @@
+"""Turning a drafter's level-wise distributions into a static draft tree."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specrl_jax.config import SamplingParams
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.topology import TreeTopology
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class DraftTree:
+  """tokens_NxK / valid_NxK: node i's token at index i - 1 (invalid: q gave it no mass).
+  log_q_NxIxV: the drafter's q at every internal node (ids 0..I-1)."""
+  tokens_NxK: Array
+  valid_NxK: Array
+  log_q_NxIxV: Array
+
+
+def choose_children(rng: Array, log_q_NxWxV: Array, branching: int, draft_mode: str
+                    ) -> tuple[Array, Array]:
+  """``branching`` distinct children per parent: sampled from q without replacement
+  (Gumbel top-k) or q's top tokens. Returns tokens and validity [N, W * branching]."""
+  scores = log_q_NxWxV
+  if draft_mode == "sample":
+    scores = scores + jax.random.gumbel(rng, scores.shape)
+  _, tokens_NxWxB = jax.lax.top_k(scores, branching)
+  valid_NxWxB = jnp.take_along_axis(log_q_NxWxV, tokens_NxWxB, axis=-1) > -jnp.inf
+  num_slots = tokens_NxWxB.shape[0]
+  return (tokens_NxWxB.reshape(num_slots, -1).astype(jnp.int32),
+          valid_NxWxB.reshape(num_slots, -1))
+
+
+def draft_tree(rng: Array, drafter: Drafter, params, state, kv, inputs: RoundInputs,
+               sampling: SamplingParams, topology: TreeTopology, draft_mode: str):
+  """Runs the drafter level by level. Returns (DraftTree, drafter state, kv)."""
+  log_q_NxV, state, kv, scratch = drafter.start(params, state, kv, inputs, sampling,
+                                                max_pending=topology.depth + 1)
+  level_log_q = log_q_NxV[:, None, :]
+  internal_log_q = [level_log_q]
+  tokens, valid = [], []
+  keys = jax.random.split(rng, topology.depth)
+  for depth, branching in enumerate(topology.branching):
+    level_tokens, level_valid = choose_children(keys[depth], level_log_q, branching, draft_mode)
+    tokens.append(level_tokens)
+    valid.append(level_valid)
+    if depth + 1 == topology.depth:
+      break
+    start = topology.level_starts[depth]
+    nodes = np.arange(start, start + topology.level_sizes[depth])
+    all_tokens = jnp.concatenate(tokens, axis=1)
+    paths = topology.path_nodes[nodes][:, :depth + 1]
+    paths_NxWxD = all_tokens[:, paths - 1]
+    mask_WxE = topology.ancestor_mask[nodes][:, 1:start + len(nodes)]
+    level_log_q, scratch = drafter.extend(params, state, kv, scratch, inputs, sampling,
+                                          depth + 1, level_tokens, paths_NxWxD, mask_WxE)
+    internal_log_q.append(level_log_q)
+  tree = DraftTree(tokens_NxK=jnp.concatenate(tokens, axis=1),
+                   valid_NxK=jnp.concatenate(valid, axis=1),
+                   log_q_NxIxV=jnp.concatenate(internal_log_q, axis=1))
+  return tree, state, kv

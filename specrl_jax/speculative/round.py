@@ -1,0 +1,75 @@
+"""One speculative decoding round: draft a tree, verify it in one target forward,
+commit the accepted path's KV and emit its tokens."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specrl_jax.config import SamplingParams
+from specrl_jax.kv.paged import LayerOffset
+from specrl_jax.models.transformer import Transformer
+from specrl_jax.sampling.engine import DecodeState, emit, reserve_pages
+from specrl_jax.sampling.warp import warped_log_probs
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.drafting import draft_tree
+from specrl_jax.speculative.topology import TreeTopology
+from specrl_jax.speculative.verify import verify
+
+
+def speculative_round(model: Transformer, drafter: Drafter, drafter_params, state: DecodeState,
+                      sampling: SamplingParams, topology: TreeTopology,
+                      draft_mode: str) -> DecodeState:
+  active_N = state.active_N
+  cached_N = state.cache_lengths_N
+  depth = topology.depth
+  page_size = state.kv.k_pages[0].shape[1]
+  state = reserve_pages(state, jnp.where(active_N, cached_N + 1 + depth, 0),
+                        max_new_pages=-(-(depth + 1) // page_size) + 1)
+  inputs = RoundInputs(last_token_N=state.last_token_N, cache_lengths_N=cached_N,
+                       history_NxC=state.history_NxC, active_N=active_N)
+  rng, draft_key, verify_key = jax.random.split(state.rng, 3)
+  drafter_kv = LayerOffset(inner=state.kv, offset=model.config.num_layers)
+  tree, drafter_state, drafter_kv = draft_tree(draft_key, drafter, drafter_params,
+                                               state.drafter, drafter_kv, inputs, sampling,
+                                               topology, draft_mode)
+  kv = state.kv.replace(k_pages=drafter_kv.inner.k_pages, v_pages=drafter_kv.inner.v_pages)
+
+  num_slots = state.num_slots
+  tokens_NxS = jnp.concatenate([state.last_token_N[:, None], tree.tokens_NxK], axis=1)
+  positions_NxS = cached_N[:, None] + jnp.asarray(topology.node_depth)[None, :]
+  mask = jnp.asarray(topology.ancestor_mask)
+  verify_kv = kv.replace(prefix_lengths_B=cached_N,
+                         new_mask_BxTxT=jnp.broadcast_to(mask, (num_slots,) + mask.shape),
+                         write_positions_BxT=jnp.full(tokens_NxS.shape, -1, jnp.int32),
+                         stash=True, new_k=(), new_v=())
+  out = model.forward(tokens_NxS, positions_BxT=positions_NxS, kv=verify_kv,
+                      hidden_layers=drafter.hidden_layers)
+  target_log_probs = warped_log_probs(out.logits, sampling)
+  verdict = verify(verify_key, target_log_probs, tree.tokens_NxK,
+                   tree.valid_NxK & active_N[:, None], tree.log_q_NxIxV, topology, draft_mode)
+
+  # The root and the accepted path enter the cache at consecutive positions.
+  source_NxE = jnp.concatenate([jnp.zeros((num_slots, 1), jnp.int32),
+                                jnp.maximum(verdict.path_NxD, 0)], axis=1)
+  keep_NxE = jnp.concatenate([active_N[:, None], (verdict.path_NxD >= 0) & active_N[:, None]],
+                             axis=1)
+  commit_positions = jnp.where(keep_NxE, cached_N[:, None] + jnp.arange(depth + 1)[None, :], -1)
+  committed = out.kv.commit(source_NxE, commit_positions)
+  drafter_kv = LayerOffset(inner=committed.replace(stash=False), offset=model.config.num_layers)
+  drafter_state, drafter_kv = drafter.finish(drafter_params, drafter_state, drafter_kv, inputs,
+                                             verdict, out)
+
+  accepted_N = jnp.where(active_N, verdict.num_accepted_N, 0)
+  counters = dict(state.counters)
+  counters["target_calls"] = counters["target_calls"] + 1
+  counters["draft_rounds"] = counters["draft_rounds"] + jnp.sum(active_N, dtype=jnp.int32)
+  counters["accepted_per_position"] = counters["accepted_per_position"] + jnp.sum(
+      (verdict.path_NxD >= 0) & active_N[:, None], axis=0, dtype=jnp.int32)
+  state = state.replace(
+      kv=state.kv.replace(k_pages=drafter_kv.inner.k_pages, v_pages=drafter_kv.inner.v_pages),
+      drafter=drafter_state, rng=rng, counters=counters,
+      cache_lengths_N=cached_N + jnp.where(active_N, 1 + accepted_N, 0))
+  state, _ = emit(state, verdict.tokens_NxE, verdict.log_probs_NxE,
+                  jnp.where(active_N, accepted_N + 1, 0), sampling)
+  return state
