@@ -1,9 +1,14 @@
 """specrl_jax: lossless speculative rollouts for RL post-training, in pure JAX."""
 
+from specrl_jax import drafters
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
+from specrl_jax.models.hf import HFFormatError, load_hf, load_tokenizer, save_hf
 from specrl_jax.models.transformer import ForwardOutput, Transformer
+from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.sampling.generate import GenerateOutput, PagePoolExhaustedError, generate
 
 __all__ = [
-    "ConfigError", "ForwardOutput", "ModelConfig", "SamplingParams", "SpecConfig",
-    "Transformer",
+    "ConfigError", "EngineConfig", "ForwardOutput", "GenerateOutput", "HFFormatError",
+    "ModelConfig", "PagePoolExhaustedError", "SamplingParams", "SpecConfig", "Transformer",
+    "drafters", "generate", "load_hf", "load_tokenizer", "save_hf",
 ]

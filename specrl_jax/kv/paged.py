@@ -117,10 +117,14 @@ class PagedKV:
                             v_visible, self.new_mask_BxTxT)
     if self.stash:
       return out, self.replace(new_k=self.new_k + (k_BxTxKxD,), new_v=self.new_v + (v_BxTxKxD,))
+    # Order the in-place write after the read: without this data dependence XLA copies
+    # the whole page array to keep the pre-write version alive for the gather.
+    out, k_layer, v_layer = jax.lax.optimization_barrier(
+        (out, self.k_pages[layer], self.v_pages[layer]))
     k_pages = _replace_at(self.k_pages, layer, write_pages(
-        self.k_pages[layer], self.page_table_BxM, self.write_positions_BxT, k_BxTxKxD))
+        k_layer, self.page_table_BxM, self.write_positions_BxT, k_BxTxKxD))
     v_pages = _replace_at(self.v_pages, layer, write_pages(
-        self.v_pages[layer], self.page_table_BxM, self.write_positions_BxT, v_BxTxKxD))
+        v_layer, self.page_table_BxM, self.write_positions_BxT, v_BxTxKxD))
     return out, self.replace(k_pages=k_pages, v_pages=v_pages)
 
   def commit(self, source_index_BxT: Array, positions_BxT: Array,

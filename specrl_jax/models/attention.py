@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import flax.struct
+
 import jax
 import jax.numpy as jnp
 
@@ -53,14 +55,13 @@ class KVBackend(Protocol):
     ...
 
 
+@flax.struct.dataclass
 class CausalNoCache:
   """Plain causal attention over the tokens of this call; keeps nothing.
 
   ``valid_BxT`` (optional) marks real tokens; padded keys are never attended to.
   """
-
-  def __init__(self, valid_BxT: Array | None = None):
-    self.valid_BxT = valid_BxT
+  valid_BxT: Array | None = None
 
   def attend(self, layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD):
     del layer

@@ -206,8 +206,12 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
                        jnp.take_along_axis(prompt_pages_NxM, full_N[:, None], 1)[:, 0],
                        TRASH_PAGE)
   destination_N = jnp.where(has_tail_N, tail_Nx1[:, 0], TRASH_PAGE)
-  k_pages = tuple(k.at[destination_N].set(k[source_N]) for k in state.kv.k_pages)
-  v_pages = tuple(v.at[destination_N].set(v[source_N]) for v in state.kv.v_pages)
+  # The barrier keeps the gather and the scatter in separate fusions; fused, XLA copies
+  # the whole page array to read and write it in one pass.
+  k_tails, v_tails = jax.lax.optimization_barrier(
+      ([k[source_N] for k in state.kv.k_pages], [v[source_N] for v in state.kv.v_pages]))
+  k_pages = tuple(k.at[destination_N].set(t) for k, t in zip(state.kv.k_pages, k_tails))
+  v_pages = tuple(v.at[destination_N].set(t) for v, t in zip(state.kv.v_pages, v_tails))
   table = jnp.where(admit_N[:, None], row_NxM, state.kv.page_table_BxM)
 
   # The prompt's own reference (held since prefill) goes once its last sample is in.
@@ -260,14 +264,12 @@ def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
     pending = jnp.any(state.slot_request_N >= 0) | (state.next_request < num_requests)
     return pending & ~state.pool.exhausted
 
+  # No lax.cond around these steps: a cond's untaken identity branch copies its whole
+  # operand, i.e. every KV page, on each iteration. Each step is a no-op when its masks
+  # are empty, which is cheap.
   def body(state):
-    state = jax.lax.cond(jnp.any((state.slot_request_N >= 0) & state.finished_N),
-                         release_finished, lambda s: s, state)
-    state = jax.lax.cond(
-        jnp.any(state.slot_request_N < 0) & (state.next_request < num_requests),
-        lambda s: admit(s, prompts, sampling, continuous=continuous, on_admit=on_admit),
-        lambda s: s, state)
-    return jax.lax.cond(jnp.any(state.active_N) & ~state.pool.exhausted, round_fn,
-                        lambda s: s, state)
+    state = release_finished(state)
+    state = admit(state, prompts, sampling, continuous=continuous, on_admit=on_admit)
+    return round_fn(state)
 
   return jax.lax.while_loop(keep_going, body, state)

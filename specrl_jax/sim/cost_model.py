@@ -1,0 +1,244 @@
+"""The cost model an adaptive speculative engine asks: is a draft of k tokens worth it
+for this live batch, given the acceptance measured so far?
+
+A speculative round of draft length k costs k drafter steps plus one target forward over
+k + 1 tokens per sequence, and emits 1 + sum_i prod_{j <= i} a_j tokens per sequence
+in expectation (a_j: conditional per-position acceptance). Plain decoding (k = 0) is
+one target forward over one token per sequence. ``best_k`` compares tokens per second
+and never picks a k the model predicts slower than plain decoding.
+
+Per-call costs come from a few measured points (``LinearCallCost.fit``: overhead plus
+per-token and per-sequence terms) or from the roofline of a ModelSpec on a
+HardwareProfile with a fitted scale and overhead (``RooflineCallCost.fit``), which
+keeps the memory-to-compute kink where verification stops being free. On a CPU the
+linear fit is the better one: small-batch matmuls there run far below peak, so time
+grows with tokens from the first one and the roofline's flat memory-bound region is
+not seen (bench-160m under jit: about 27 ms + 3 ms per token on the shared 2 cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from specrl_jax.config import check
+from specrl_jax.sim import validation
+from specrl_jax.sim.rollout import EngineProfile, ForwardCostModel, expected_tokens_per_round
+from specrl_jax.sim.hardware import HardwareProfile
+from specrl_jax.sim.model_spec import ModelSpec
+
+_BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0}
+
+# A measured call: (batch size, query tokens per sequence, seconds).
+CallPoint = tuple[int, int, float]
+
+
+class CallCost(Protocol):
+
+  def seconds(self, batch_size: int, query_tokens: int = 1) -> float:
+    ...
+
+
+def _check_points(owner: str, points: Sequence[CallPoint]) -> np.ndarray:
+  check(len(points) > 0, owner, "points", points,
+        "a non-empty list of (batch_size, query_tokens, seconds)")
+  for i, point in enumerate(points):
+    check(len(point) == 3 and point[0] >= 1 and point[1] >= 1 and point[2] > 0, owner,
+          f"points[{i}]", point, "(batch_size >= 1, query_tokens >= 1, seconds > 0)")
+  return np.asarray(points, np.float64)
+
+
+def _non_negative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+  """Least squares on relative error (each row divided by its measured time, so a
+  1 ms call counts as much as a 1 s one) with coefficients >= 0: drop the most
+  negative column and refit (a handful of columns, so this settles in a few passes)."""
+  design, target = design / target[:, None], np.ones_like(target)
+  active = list(range(design.shape[1]))
+  coefficients = np.zeros(design.shape[1])
+  while active:
+    solution, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+    if (solution >= 0).all():
+      coefficients[active] = solution
+      break
+    active.pop(int(np.argmin(solution)))
+  return coefficients
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearCallCost:
+  """seconds = overhead + per_token * batch * query_tokens + per_sequence * batch."""
+
+  overhead_s: float
+  per_token_s: float
+  per_sequence_s: float = 0.0
+
+  def __post_init__(self):
+    for field in ("overhead_s", "per_token_s", "per_sequence_s"):
+      validation.non_negative_number("LinearCallCost", field, getattr(self, field))
+
+  def seconds(self, batch_size: int, query_tokens: int = 1) -> float:
+    return (self.overhead_s + self.per_token_s * batch_size * query_tokens
+            + self.per_sequence_s * batch_size)
+
+  @classmethod
+  def fit(cls, points: Sequence[CallPoint]) -> "LinearCallCost":
+    """Non-negative least squares (relative error) on measured points."""
+    data = _check_points("LinearCallCost.fit", points)
+    batch, query, seconds = data.T
+    design = np.stack([np.ones_like(batch), batch * query, batch], axis=1)
+    overhead, per_token, per_sequence = _non_negative_least_squares(design, seconds)
+    return cls(overhead_s=float(overhead), per_token_s=float(per_token),
+               per_sequence_s=float(per_sequence))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RooflineCallCost:
+  """seconds = overhead + scale * roofline(batch, query_tokens), the roofline of
+  ``network`` on ``hardware`` with each sequence holding ``context_tokens``."""
+
+  network: ModelSpec
+  hardware: HardwareProfile
+  context_tokens: int
+  overhead_s: float = 0.0
+  scale: float = 1.0
+  tp: int = 1
+  precision: str = "fp32"  # weights and KV cache; the CPU engine runs float32
+
+  def __post_init__(self):
+    owner = "RooflineCallCost"
+    validation.one_of(owner, "precision", self.precision, ("fp32", "bf16", "fp8"))
+    validation.non_negative_int(owner, "context_tokens", self.context_tokens)
+    validation.non_negative_number(owner, "overhead_s", self.overhead_s)
+    validation.positive_number(owner, "scale", self.scale)
+    validation.positive_int(owner, "tp", self.tp)
+
+  def roofline_seconds(self, batch_size: int, query_tokens: int = 1) -> float:
+    """The bare roofline at peak rates, no overheads."""
+    engine = EngineProfile(weight_precision=self.precision,
+                           kv_bytes_per_element=_BYTES_PER_ELEMENT[self.precision],
+                           compute_efficiency=1.0, memory_efficiency=1.0,
+                           forward_overhead_s=0.0, layer_overhead_s=0.0)
+    model = ForwardCostModel(hardware=self.hardware, engine=engine, tp=self.tp)
+    cost = model.forward(self.network, num_seqs=batch_size, query_tokens=query_tokens,
+                         overhead=0.0)
+    return cost.at(batch_size * self.context_tokens)
+
+  def seconds(self, batch_size: int, query_tokens: int = 1) -> float:
+    return self.overhead_s + self.scale * self.roofline_seconds(batch_size, query_tokens)
+
+  @classmethod
+  def fit(cls, points: Sequence[CallPoint], *, network: ModelSpec,
+          hardware: HardwareProfile, context_tokens: int, tp: int = 1,
+          precision: str = "fp32") -> "RooflineCallCost":
+    """Fits overhead and scale (1 / achieved efficiency) to measured points."""
+    data = _check_points("RooflineCallCost.fit", points)
+    bare = cls(network=network, hardware=hardware, context_tokens=context_tokens, tp=tp,
+               precision=precision)
+    roofline = np.array([bare.roofline_seconds(int(b), int(q)) for b, q, _ in data])
+    design = np.stack([np.ones_like(roofline), roofline], axis=1)
+    overhead, scale = _non_negative_least_squares(design, data[:, 2])
+    check(scale > 0, "RooflineCallCost.fit", "points", points,
+          "measurements whose time grows with the roofline (fitted scale was 0)")
+    return dataclasses.replace(bare, overhead_s=float(overhead), scale=float(scale))
+
+
+def _check_acceptance(per_position_acceptance: Sequence[float]) -> tuple[float, ...]:
+  rates = tuple(float(a) for a in per_position_acceptance)
+  check(len(rates) > 0, "SpeculationCostModel", "per_position_acceptance", rates,
+        "a non-empty sequence of conditional acceptance rates in [0, 1]")
+  for i, rate in enumerate(rates):
+    validation.unit_interval("SpeculationCostModel", f"per_position_acceptance[{i}]", rate)
+  return rates
+
+
+def conditional_acceptance(unconditional: Sequence[float]) -> tuple[float, ...]:
+  """Converts vLLM-style per-position rates (P(draft i accepted), non-increasing) to
+  the conditional rates this module uses (P(draft i accepted | drafts before it were))."""
+  rates = [float(r) for r in unconditional]
+  check(len(rates) > 0 and all(0 <= r <= 1 for r in rates)
+        and all(b <= a + 1e-12 for a, b in zip(rates, rates[1:])),
+        "conditional_acceptance", "unconditional", tuple(rates),
+        "a non-empty non-increasing sequence of rates in [0, 1]")
+  out, previous = [], 1.0
+  for rate in rates:
+    out.append(rate / previous if previous > 0 else 0.0)
+    previous = rate
+  return tuple(min(1.0, r) for r in out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculationCostModel:
+  """Expected throughput of plain and speculative decoding rounds.
+
+  target: cost of one target forward over (batch, query tokens per sequence).
+  drafter: cost of one drafter step over (batch, 1). round_overhead_s: fixed extra per
+  speculative round (verification bookkeeping, host-side drafting such as n-gram).
+  """
+
+  target: CallCost
+  drafter: CallCost
+  round_overhead_s: float = 0.0
+
+  def __post_init__(self):
+    for field in ("target", "drafter"):
+      check(callable(getattr(getattr(self, field), "seconds", None)),
+            "SpeculationCostModel", field, getattr(self, field),
+            "an object with seconds(batch_size, query_tokens)")
+    validation.non_negative_number("SpeculationCostModel", "round_overhead_s",
+                                   self.round_overhead_s)
+
+  @classmethod
+  def from_measurements(cls, *, target_points: Sequence[CallPoint],
+                        drafter_points: Sequence[CallPoint],
+                        round_overhead_s: float = 0.0) -> "SpeculationCostModel":
+    """Linear fits of measured target forwards and drafter steps."""
+    return cls(target=LinearCallCost.fit(target_points),
+               drafter=LinearCallCost.fit(drafter_points),
+               round_overhead_s=round_overhead_s)
+
+  def round_seconds(self, batch_size: int, k: int) -> float:
+    validation.positive_int("SpeculationCostModel", "batch_size", batch_size)
+    validation.non_negative_int("SpeculationCostModel", "k", k)
+    if k == 0:
+      return self.target.seconds(batch_size, 1)
+    return (k * self.drafter.seconds(batch_size, 1) + self.target.seconds(batch_size, k + 1)
+            + self.round_overhead_s)
+
+  def expected_tokens_per_round(self, k: int, per_position_acceptance: Sequence[float]
+                                ) -> float:
+    """Per sequence; positions beyond the measured ones repeat the last rate."""
+    validation.non_negative_int("SpeculationCostModel", "k", k)
+    if k == 0:
+      return 1.0
+    return expected_tokens_per_round(_check_acceptance(per_position_acceptance), k)
+
+  def expected_tokens_per_second(self, batch_size: int, k: int,
+                                 per_position_acceptance: Sequence[float]) -> float:
+    return (batch_size * self.expected_tokens_per_round(k, per_position_acceptance)
+            / self.round_seconds(batch_size, k))
+
+  def seconds_per_token(self, batch_size: int, k: int,
+                        per_position_acceptance: Sequence[float]) -> float:
+    """Predicted decode time per emitted token of one sequence (what a benchmark of
+    batch_size sequences reports as wall time / tokens per sequence)."""
+    return (self.round_seconds(batch_size, k)
+            / self.expected_tokens_per_round(k, per_position_acceptance))
+
+  def best_k(self, batch_size: int, per_position_acceptance: Sequence[float], k_max: int,
+             *, min_gain: float = 1.0) -> int:
+    """The draft length with the highest expected tokens/s; 0 (plain decoding) unless
+    some k beats plain by a factor of at least ``min_gain`` (> 1 adds hysteresis
+    against measurement noise)."""
+    validation.non_negative_int("SpeculationCostModel", "k_max", k_max)
+    check(isinstance(min_gain, (int, float)) and min_gain >= 1.0, "SpeculationCostModel",
+          "min_gain", min_gain, "a number >= 1")
+    rates = _check_acceptance(per_position_acceptance)
+    plain = self.expected_tokens_per_second(batch_size, 0, rates)
+    best, best_rate = 0, plain
+    for k in range(1, k_max + 1):
+      rate = self.expected_tokens_per_second(batch_size, k, rates)
+      if rate > best_rate:
+        best, best_rate = k, rate
+    return best if best_rate >= min_gain * plain else 0
