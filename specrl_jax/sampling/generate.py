@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Sequence
 
@@ -53,6 +52,7 @@ class _Layout:
   max_pages_per_seq: int
   max_new_tokens: int
   continuous: bool
+  pages_always_enough: int
 
 
 def _validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
@@ -104,6 +104,33 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
     rng = jax.random.key(0)
   elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
     rng = jax.random.wrap_key_data(rng)
+  inputs, layout, drafter, topology, draft_mode = prepare(config, prompts, sampling, engine,
+                                                          drafter, spec)
+  graphdef, params = nnx.split(model)
+  start = time.perf_counter()
+  final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
+                    *inputs, rng, sampling=sampling, layout=layout, drafter=drafter,
+                    topology=topology, draft_mode=draft_mode)
+  final = jax.device_get(final)
+  seconds = time.perf_counter() - start
+  if final.pool.exhausted:
+    raise PagePoolExhaustedError(
+        f"KV page pool exhausted: {layout.num_pages} pages of {layout.page_size} tokens "
+        f"cannot hold {layout.num_slots} live sequences of up to "
+        f"{layout.max_pages_per_seq * layout.page_size} tokens plus {inputs[0].shape[0]} "
+        f"prompts. Raise EngineConfig.num_pages (at least {layout.pages_always_enough} "
+        "always suffices) or lower EngineConfig.num_slots.")
+  return _to_output(final, seconds)
+
+
+def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: EngineConfig,
+            drafter=None, spec: SpecConfig | None = None):
+  """Host-side packing of validated prompts into static-shape arrays.
+
+  Returns (inputs, layout, drafter, topology, draft_mode) where inputs =
+  (tokens_UxT, lengths_U, prompt_of_request_R, last_request_U) as device arrays and the
+  rest are the static arguments of ``rollout``.
+  """
   unique, prompt_of_request, last_request = _group_prompts(prompts)
   bucket = engine.prompt_bucket
   padded = -(-max(len(p) for p in unique) // bucket) * bucket
@@ -128,27 +155,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   lookahead = 1 if drafter is None else topology.depth + 1
   page_size = engine.page_size
   max_pages = -(-(padded + sampling.max_new_tokens + lookahead) // page_size)
-  num_pages = engine.num_pages or (
-      1 + int(np.sum(-(-lengths // page_size))) + num_slots * max_pages)
-  layout = _Layout(num_slots=num_slots, page_size=page_size, num_pages=num_pages,
-                   max_pages_per_seq=max_pages, max_new_tokens=sampling.max_new_tokens,
-                   continuous=engine.continuous_batching)
-  graphdef, params = nnx.split(model)
-  start = time.perf_counter()
-  final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
-                    jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(prompt_of_request),
-                    jnp.asarray(last_request), rng, sampling=sampling, layout=layout,
-                    drafter=drafter, topology=topology, draft_mode=draft_mode)
-  final = jax.device_get(final)
-  seconds = time.perf_counter() - start
-  if final.pool.exhausted:
-    raise PagePoolExhaustedError(
-        f"KV page pool exhausted: {num_pages} pages of {page_size} tokens cannot hold "
-        f"{num_slots} live sequences of up to {max_pages * page_size} tokens plus "
-        f"{len(unique)} prompts. Raise EngineConfig.num_pages (at least "
-        f"{1 + int(np.sum(-(-lengths // page_size))) + num_slots * max_pages} always "
-        "suffices) or lower EngineConfig.num_slots.")
-  return _to_output(final, seconds)
+  enough = 1 + int(np.sum(-(-lengths // page_size))) + num_slots * max_pages
+  layout = _Layout(num_slots=num_slots, page_size=page_size,
+                   num_pages=engine.num_pages or enough, max_pages_per_seq=max_pages,
+                   max_new_tokens=sampling.max_new_tokens,
+                   continuous=engine.continuous_batching, pages_always_enough=enough)
+  inputs = tuple(jnp.asarray(a) for a in (tokens, lengths, prompt_of_request, last_request))
+  return inputs, layout, drafter, topology, draft_mode
 
 
 def _to_output(final: DecodeState, seconds: float) -> GenerateOutput:
@@ -207,11 +220,14 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
       rng=rng, counters=counters, drafter=drafter_state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "layout", "drafter",
-                                             "topology", "draft_mode"))
-def _generate(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_request_R,
-              last_request_U, rng, *, sampling: SamplingParams, layout: _Layout,
-              drafter: Drafter | None, topology: TreeTopology | None, draft_mode: str | None):
+def rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_request_R,
+            last_request_U, rng, *, sampling: SamplingParams, layout: _Layout,
+            drafter: Drafter | None, topology: TreeTopology | None, draft_mode: str | None
+            ) -> DecodeState:
+  """The whole rollout as a traceable function (prefill + decode loop), for callers
+  that compile it into a larger step (e.g. a jitted RL step). Returns the final
+  DecodeState: ``out_tokens_RxL``, ``out_log_probs_RxL``, ``out_lengths_R``,
+  ``counters`` and ``pool.exhausted`` are the results. Use ``prepare`` for the inputs."""
   model = nnx.merge(graphdef, params)
   state = init_state(model.config, layout, prompt_of_request_R.shape[0], rng, drafter, topology)
   drafter_prefill = on_admit = None
@@ -238,3 +254,7 @@ def _generate(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of
   state = state.replace(pool=pool, kv=kv)
   return run_loop(state, prompts, round_fn, sampling, continuous=layout.continuous,
                   on_admit=on_admit)
+
+
+_generate = jax.jit(rollout, static_argnames=("graphdef", "sampling", "layout", "drafter",
+                                              "topology", "draft_mode"))
