@@ -219,8 +219,8 @@ def test_enumeration_is_a_distribution_of_full_forward_products(model, sampling)
   np.testing.assert_allclose(np.log([exact[o] for o in outcomes]), log_probs.sum(axis=1),
                              atol=1e-4)
   for outcome in outcomes:
-    # Short outcomes are exactly those that stopped.
-    assert (len(outcome) < 3) == (outcome[-1] in sampling.stop_token_ids)
+    # Only a stop token ends an outcome early, and nothing follows a stop token.
+    assert len(outcome) == 3 or outcome[-1] in sampling.stop_token_ids
     assert not set(outcome[:-1]) & set(sampling.stop_token_ids)
   if sampling.top_k:
     assert len(exact) <= sampling.top_k ** 3

@@ -250,7 +250,8 @@ def rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_r
     round_fn = lambda s: speculative_round(model, drafter, drafter_params, s, sampling,
                                            topology, draft_mode)
   pool, kv, prompts = prefill(model, state.pool, state.kv, tokens_UxT, lengths_U,
-                              prompt_of_request_R, last_request_U, sampling, drafter_prefill)
+                              prompt_of_request_R, last_request_U, sampling, drafter_prefill,
+                              hidden_layers=drafter.hidden_layers if drafter else ())
   state = state.replace(pool=pool, kv=kv)
   return run_loop(state, prompts, round_fn, sampling, continuous=layout.continuous,
                   on_admit=on_admit)

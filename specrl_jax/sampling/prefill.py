@@ -17,14 +17,16 @@ Array = jax.Array
 
 def prefill(model: Transformer, pool: page_pool.PagePool, kv: PagedKV, tokens_UxT: Array,
             lengths_U: Array, prompt_of_request_R: Array, last_request_U: Array,
-            sampling: SamplingParams, drafter_prefill=None
+            sampling: SamplingParams, drafter_prefill=None,
+            hidden_layers: tuple[int, ...] = ()
             ) -> tuple[page_pool.PagePool, PagedKV, Prompts]:
   """Allocates pages for each prompt, runs the causal forward writing K/V into them and
   keeps the warped distribution of the first response token.
 
   ``kv`` supplies the (empty) page arrays; its page table is replaced for this call.
   ``drafter_prefill(prefill_kv, target_output) -> prefill_kv`` lets a drafter write its
-  own layers of the same pages.
+  own layers of the same pages; ``hidden_layers`` are the target layers whose outputs
+  it reads.
   """
   num_prompts, length = tokens_UxT.shape
   page_size = kv.k_pages[0].shape[1]
@@ -39,7 +41,7 @@ def prefill(model: Transformer, pool: page_pool.PagePool, kv: PagedKV, tokens_Ux
       new_mask_BxTxT=causal_TxT[None] & valid_UxT[:, None, :],
       write_positions_BxT=jnp.where(valid_UxT, position_T[None, :], -1))
   out = model.forward(tokens_UxT, positions_BxT=jnp.broadcast_to(position_T, tokens_UxT.shape),
-                      kv=prefill_kv, compute_logits=False)
+                      kv=prefill_kv, compute_logits=False, hidden_layers=hidden_layers)
   written = out.kv
   if drafter_prefill is not None:
     written = drafter_prefill(written, out)
