@@ -27,7 +27,9 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
   state = reserve_pages(state, jnp.where(active_N, cached_N + 1 + depth, 0),
                         max_new_pages=-(-(depth + 1) // page_size) + 1)
   inputs = RoundInputs(last_token_N=state.last_token_N, cache_lengths_N=cached_N,
-                       history_NxC=state.history_NxC, active_N=active_N)
+                       history_NxC=state.history_NxC, active_N=active_N,
+                       prompt_lengths_N=state.prompt_lengths_N,
+                       slot_request_N=state.slot_request_N)
   rng, draft_key, verify_key = jax.random.split(state.rng, 3)
   drafter_kv = LayerOffset(inner=state.kv, offset=model.config.num_layers)
   tree, drafter_state, drafter_kv = draft_tree(draft_key, drafter, drafter_params,

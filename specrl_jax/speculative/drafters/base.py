@@ -28,12 +28,16 @@ class RoundInputs:
   """What a drafter may read at the start of a round (N slots, history of C tokens).
 
   last_token_N sits at position cache_lengths_N[n]; it is emitted but not yet in any
-  cache. history_NxC holds prompt + emitted tokens (-1 beyond).
+  cache. history_NxC holds prompt + emitted tokens (-1 beyond); its first
+  prompt_lengths_N[n] tokens are the prompt. slot_request_N is the request each slot
+  serves (-1 when free); requests of the same prompt are siblings of a GRPO group.
   """
   last_token_N: Array
   cache_lengths_N: Array
   history_NxC: Array
   active_N: Array
+  prompt_lengths_N: Array
+  slot_request_N: Array
 
 
 class Drafter(abc.ABC):
