@@ -231,9 +231,18 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
   history_NxC = jnp.where(admit_N[:, None], prompt_row_NxC, state.history_NxC)
 
   rng, key = jax.random.split(state.rng)
-  first_log_probs_NxV = prompts.first_log_probs_UxV[prompt_N]
-  first_N = sample_tokens(key, first_log_probs_NxV)
-  first_log_prob_N = jnp.take_along_axis(first_log_probs_NxV, first_N[:, None], 1)
+
+  def sample_first(_):
+    first_log_probs_NxV = prompts.first_log_probs_UxV[prompt_N]
+    first_N = sample_tokens(key, first_log_probs_NxV)
+    return first_N, jnp.take_along_axis(first_log_probs_NxV, first_N[:, None], 1)
+
+  # Most rounds admit nobody: skip drawing N x V Gumbel noise then (the operands are
+  # small, so this cond copies nothing large).
+  first_N, first_log_prob_N = jax.lax.cond(
+      jnp.any(admit_N), sample_first,
+      lambda _: (jnp.zeros_like(admit_N, jnp.int32),
+                 jnp.zeros((admit_N.shape[0], 1), jnp.float32)), None)
   state = state.replace(
       pool=pool,
       kv=state.kv.replace(k_pages=k_pages, v_pages=v_pages, page_table_BxM=table),
