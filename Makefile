@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test results bench clean
+.PHONY: demo test test-full results bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m specrl_jax.cli demo
 
+# The default suite covers every verification mode, temperature, warp and k through a
+# pairwise covering design; test-full adds the full cross product (marked slow, ~20 min).
 test: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 tests
+
+test-full: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
 
 clean:
