@@ -1,0 +1,301 @@
+"""Drafters that read the target's hidden states (MTP, EAGLE-3): the shared decode logic.
+
+Such a drafter is one decoder layer run beside the target. Its entry at position j reads
+the token x_j and a *feature* of the target at position j - 1 (MTP: the last hidden
+state; EAGLE-3: a projection of a low, a middle and a high layer), and predicts x_{j+1}.
+Deeper tree levels feed the drafter's own output at the parent node instead of the
+target's feature, which is what training-time test trains for.
+
+Two of the drafter's layers live in the shared page pool (so allocation, prefix sharing
+and admission copies happen once for target and drafter):
+  layer 0: the keys and values of its attention, kept in step with the target lazily
+    like DraftModel's (each round first feeds the tokens emitted since its cache was
+    last written);
+  layer 1: a feature store: the target's feature at every cache position, written at
+    prefill and after each verification for the root and the accepted nodes, read back
+    as the next round's pending inputs. Half of each feature goes in the K pages, half
+    in the V pages.
+Position 0 has no earlier feature and reads zeros, in training and in decoding alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specrl_jax.config import ConfigError
+from specrl_jax.kv.paged import LayerOffset, PagedKV, write_pages
+from specrl_jax.kv.pool import TRASH_PAGE
+from specrl_jax.parallel.rules import path_string as rules_path
+from specrl_jax.sampling.warp import proposal_log_probs
+from specrl_jax.speculative.drafters.base import Drafter
+
+Array = jax.Array
+
+ATTENTION_LAYER = 0  # the drafter's attention KV, relative to its page-pool offset
+FEATURE_LAYER = 1    # the feature store
+
+
+class SharedTable(nnx.Variable):
+  """A table copied from the target (token embedding, output head): read by the
+  drafter, never trained (gradients are stopped and optimizers skip it)."""
+
+
+def normal_param(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+
+
+def shift_right(x_BxTxD: Array) -> Array:
+  """x[:, j - 1] at position j, zeros at position 0: the feature each entry reads."""
+  return jnp.pad(x_BxTxD[:, :-1], ((0, 0), (1, 0), (0, 0)))
+
+
+# ------------------------------------------------------------------- feature store
+
+def feature_store_shape(hidden_size: int) -> tuple[int, int]:
+  """(heads, dim) of the store's page layer: one head, half a feature in K, half in V."""
+  return (1, -(-hidden_size // 2))
+
+
+def write_features(kv: PagedKV, layer: int, positions_BxT: Array,
+                   features_BxTxD: Array) -> PagedKV:
+  """Stores features at cache positions of ``kv``'s page table (negative: nowhere)."""
+  half = kv.k_pages[layer].shape[-1]
+  padded = jnp.pad(features_BxTxD, ((0, 0), (0, 0), (0, 2 * half - features_BxTxD.shape[-1])))
+  k_BxTx1xD = padded[..., None, :half]
+  v_BxTx1xD = padded[..., None, half:]
+  k_pages = list(kv.k_pages)
+  v_pages = list(kv.v_pages)
+  k_pages[layer] = write_pages(k_pages[layer], kv.page_table_BxM, positions_BxT, k_BxTx1xD)
+  v_pages[layer] = write_pages(v_pages[layer], kv.page_table_BxM, positions_BxT, v_BxTx1xD)
+  return kv.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages))
+
+
+def read_features(kv: PagedKV, layer: int, positions_BxT: Array, hidden_size: int) -> Array:
+  """Features stored at cache positions [B, T, D]; zeros where a position is negative."""
+  page_size = kv.k_pages[layer].shape[1]
+  valid_BxT = positions_BxT >= 0
+  safe_BxT = jnp.where(valid_BxT, positions_BxT, 0)
+  page_BxT = jnp.take_along_axis(kv.page_table_BxM, safe_BxT // page_size, axis=1)
+  page_BxT = jnp.where(valid_BxT, page_BxT, TRASH_PAGE)
+  offset_BxT = safe_BxT % page_size
+  both = jnp.concatenate([kv.k_pages[layer][page_BxT, offset_BxT, 0],
+                          kv.v_pages[layer][page_BxT, offset_BxT, 0]], axis=-1)
+  return jnp.where(valid_BxT[..., None], both[..., :hidden_size], 0)
+
+
+# ------------------------------------------------------------------- the drafter
+
+def split_weights(head: nnx.Module) -> tuple[nnx.GraphDef, dict[str, Any]]:
+  """(graphdef, {"trainable": params, "shared": tables copied from the target})."""
+  graphdef, trainable, shared = nnx.split(head, nnx.Param, SharedTable)
+  return graphdef, {"trainable": trainable, "shared": shared}
+
+
+def check_weights(owner: str, expected: dict[str, Any], given: dict[str, Any]) -> None:
+  """Raises ConfigError unless ``given`` has ``expected``'s structure and shapes (e.g.
+  weights trained for a target of another hidden size)."""
+  want = {rules_path(path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(expected)}
+  got = {rules_path(path): tuple(np.shape(leaf))
+         for path, leaf in jax.tree_util.tree_leaves_with_path(given)}
+  if set(want) != set(got):
+    raise ConfigError(
+        f"{owner} weights have entries {sorted(set(got) - set(want))} it has no place for "
+        f"and lack {sorted(set(want) - set(got))}.")
+  for path, shape in want.items():
+    if got[path] != shape:
+      raise ConfigError(
+          f"{owner} weight {path!r} has shape {got[path]}; this target needs {shape} (were "
+          "the weights trained for a target of another hidden size or vocabulary?).")
+
+
+def merge_weights(graphdef: nnx.GraphDef, weights: dict[str, Any]) -> nnx.Module:
+  return nnx.merge(graphdef, weights["trainable"], weights["shared"])
+
+
+class HiddenStateDrafter(Drafter):
+  """A one-layer drafter on the target's features (see the module docstring).
+
+  Subclasses hold a frozen, hashable ``config`` and an nnx head implementing
+    features(hidden_BxTxD, layer_hidden) -> feature_BxTxD   (from target outputs)
+    decode(tokens_BxT, feature_BxTxD, positions_BxT, kv) -> (output_BxTxD, kv)
+    logits(output_BxTxD) -> float32 [B, T, draft vocabulary]
+  and a draft-to-target id table (None: the draft vocabulary is the target's).
+  Weights are {"trainable": ..., "shared": ...} (nnx states); they travel to the
+  compiled program through ``params()``, so new weights never recompile.
+  """
+
+  config: Any
+  layer_config: Any  # ModelConfig of the drafter's one decoder layer (its KV shape)
+  hidden_size: int
+  vocab_size: int
+
+  def __init__(self, graphdef: nnx.GraphDef, weights: dict[str, Any],
+               draft_to_target: np.ndarray | None):
+    self.graphdef = graphdef
+    self.weights = weights
+    self.draft_to_target = draft_to_target
+
+  # Hashing by config (and class) lets jit reuse one program for any weights.
+  def __hash__(self):
+    return hash((type(self), self.config))
+
+  def __eq__(self, other):
+    return type(other) is type(self) and other.config == self.config
+
+  def head(self, weights=None) -> nnx.Module:
+    """The nnx head with ``weights`` (default: this drafter's)."""
+    return merge_weights(self.graphdef, self.weights if weights is None else weights)
+
+  def with_weights(self, weights: dict[str, Any]) -> "HiddenStateDrafter":
+    """The same drafter with other weights (e.g. after a training step)."""
+    other = copy.copy(self)
+    other.weights = weights
+    return other
+
+  # ----------------------------------------------------------------- target checks
+
+  def check_target(self, target_config) -> None:
+    name = type(self).__name__
+    if target_config.hidden_size != self.hidden_size:
+      raise ConfigError(
+          f"{name} was built for hidden_size={self.hidden_size} but the target has "
+          f"hidden_size={target_config.hidden_size}: a hidden-state drafter reads the "
+          "target's hidden states and shares its embedding, so the sizes must match.")
+    if target_config.vocab_size != self.vocab_size:
+      raise ConfigError(
+          f"{name} was built for vocab_size={self.vocab_size} but the target has "
+          f"vocab_size={target_config.vocab_size}: the drafter's tokens are the target's.")
+    for index in self.hidden_layers:
+      if not 0 <= index < target_config.num_layers:
+        raise ConfigError(
+            f"{name} reads target layer {index} (hidden_layers={self.hidden_layers}) but "
+            f"the target has {target_config.num_layers} layers: expected indices in "
+            f"[0, {target_config.num_layers - 1}].")
+
+  # ----------------------------------------------------------------- the interface
+
+  def kv_layers(self):
+    layer = self.layer_config
+    return ((layer.num_kv_heads, layer.head_dim), feature_store_shape(self.hidden_size))
+
+  def params(self):
+    table = () if self.draft_to_target is None else jnp.asarray(self.draft_to_target, jnp.int32)
+    return {"weights": self.weights, "draft_to_target": table}
+
+  def init_state(self, num_slots: int):
+    return {"cache_lengths_N": jnp.zeros((num_slots,), jnp.int32)}
+
+  def on_admit(self, params, state, admit_N, prompt_lengths_N):
+    return {"cache_lengths_N": jnp.where(admit_N, prompt_lengths_N, state["cache_lengths_N"])}
+
+  def target_log_q(self, params, output_BxTxD: Array, sampling) -> Array:
+    """log q over the *target* vocabulary; tokens outside the draft table get -inf, so
+    they are never proposed."""
+    logits = merge_weights(self.graphdef, params["weights"]).logits(output_BxTxD)
+    table = params["draft_to_target"]
+    if not isinstance(table, tuple):
+      full = jnp.full(logits.shape[:-1] + (self.vocab_size,), -jnp.inf, logits.dtype)
+      logits = full.at[..., table].set(logits)
+    return proposal_log_probs(logits, sampling)
+
+  def features(self, params, target_output, select_NxE: Array | None = None) -> Array:
+    """The target's features, at all positions or only at node indices ``select_NxE``."""
+    hidden, layer_hidden = target_output.hidden, target_output.layer_hidden
+    if select_NxE is not None:
+      take = lambda x: jnp.take_along_axis(x, select_NxE[..., None], axis=1)
+      hidden, layer_hidden = take(hidden), tuple(take(h) for h in layer_hidden)
+    return merge_weights(self.graphdef, params["weights"]).features(hidden, layer_hidden)
+
+  def prefill(self, params, state, kv: LayerOffset, tokens_UxT, lengths_U, target_output):
+    head = merge_weights(self.graphdef, params["weights"])
+    features_UxTxD = self.features(params, target_output)
+    positions_UxT = jnp.broadcast_to(jnp.arange(tokens_UxT.shape[1], dtype=jnp.int32),
+                                     tokens_UxT.shape)
+    _, kv = head.decode(tokens_UxT, shift_right(features_UxTxD), positions_UxT, kv)
+    inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, kv.inner.write_positions_BxT,
+                           features_UxTxD)
+    return state, kv.replace(inner=inner)
+
+  def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
+    head = merge_weights(self.graphdef, params["weights"])
+    cached_N = state["cache_lengths_N"]
+    pending_N = jnp.where(inputs.active_N, inputs.cache_lengths_N - cached_N + 1, 0)
+    index_P = jnp.arange(max_pending, dtype=jnp.int32)
+    positions_NxP = cached_N[:, None] + index_P[None, :]
+    valid_NxP = index_P[None, :] < pending_N[:, None]
+    context = inputs.history_NxC.shape[1]
+    tokens_NxP = jnp.take_along_axis(inputs.history_NxC,
+                                     jnp.clip(positions_NxP, 0, context - 1), axis=1)
+    tokens_NxP = jnp.where(valid_NxP, tokens_NxP, 0)
+    features_NxPxD = read_features(kv.inner, kv.offset + FEATURE_LAYER,
+                                   jnp.where(valid_NxP, positions_NxP - 1, -1), self.hidden_size)
+    causal_PxP = index_P[:, None] >= index_P[None, :]
+    step_kv = kv.replace(inner=kv.inner.replace(
+        prefix_lengths_B=cached_N,
+        new_mask_BxTxT=causal_PxP[None] & valid_NxP[:, None, :],
+        write_positions_BxT=jnp.where(valid_NxP, positions_NxP, -1)))
+    outputs_NxPxD, kv = head.decode(tokens_NxP, features_NxPxD, positions_NxP, step_kv)
+    root_Nx1xD = jnp.take_along_axis(outputs_NxPxD,
+                                     jnp.maximum(pending_N - 1, 0)[:, None, None], axis=1)
+    log_q_NxV = self.target_log_q(params, root_Nx1xD, sampling)[:, 0]
+    state = {"cache_lengths_N": jnp.where(inputs.active_N, inputs.cache_lengths_N + 1, cached_N)}
+    # Scratch: the uncommitted keys/values of drafted levels and the outputs of the
+    # latest level, which its children read as their feature.
+    return log_q_NxV, state, kv, ((), (), root_Nx1xD)
+
+  def extend(self, params, state, kv: LayerOffset, scratch, inputs, sampling, depth,
+             tokens_NxW, paths_NxWxD, mask_WxE):
+    head = merge_weights(self.graphdef, params["weights"])
+    scratch_k, scratch_v, parents_NxPxD = scratch
+    num_slots, width = tokens_NxW.shape
+    # Breadth-first numbering: each parent's children are contiguous.
+    features_NxWxD = jnp.repeat(parents_NxPxD, width // parents_NxPxD.shape[1], axis=1)
+    positions_NxW = jnp.broadcast_to((inputs.cache_lengths_N + depth)[:, None],
+                                     (num_slots, width))
+    level_kv = kv.replace(inner=kv.inner.replace(
+        prefix_lengths_B=inputs.cache_lengths_N + 1,
+        new_mask_BxTxT=jnp.broadcast_to(jnp.asarray(mask_WxE), (num_slots,) + mask_WxE.shape),
+        write_positions_BxT=jnp.full((num_slots, width), -1, jnp.int32),
+        stash=True, new_k=(), new_v=(), scratch_k=scratch_k, scratch_v=scratch_v))
+    outputs_NxWxD, level_kv = head.decode(tokens_NxW, features_NxWxD, positions_NxW, level_kv)
+    new_k, new_v = level_kv.inner.new_k, level_kv.inner.new_v
+    if scratch_k:
+      new_k = tuple(jnp.concatenate([old, new], axis=1) for old, new in zip(scratch_k, new_k))
+      new_v = tuple(jnp.concatenate([old, new], axis=1) for old, new in zip(scratch_v, new_v))
+    return self.target_log_q(params, outputs_NxWxD, sampling), (new_k, new_v, outputs_NxWxD)
+
+  def finish(self, params, state, kv: LayerOffset, inputs, verdict, target_output):
+    # The root and the accepted nodes sit at consecutive positions from the root's:
+    # their features are the next round's pending inputs.
+    num_slots, depth = verdict.path_NxD.shape
+    source_NxE = jnp.concatenate([jnp.zeros((num_slots, 1), jnp.int32),
+                                  jnp.maximum(verdict.path_NxD, 0)], axis=1)
+    keep_NxE = jnp.concatenate([inputs.active_N[:, None],
+                                (verdict.path_NxD >= 0) & inputs.active_N[:, None]], axis=1)
+    positions_NxE = jnp.where(
+        keep_NxE, inputs.cache_lengths_N[:, None] + jnp.arange(depth + 1)[None, :], -1)
+    features_NxExD = self.features(params, target_output, source_NxE)
+    inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, positions_NxE, features_NxExD)
+    return state, kv.replace(inner=inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetTables:
+  """What a hidden-state drafter copies from its target at construction."""
+  embed_VxD: Array
+  lm_head_DxV: Array
+  final_norm_D: Array
+
+  @classmethod
+  def of(cls, target) -> "TargetTables":
+    head = target.embed[...].T if target.config.tie_embeddings else target.lm_head[...]
+    return cls(embed_VxD=target.embed[...], lm_head_DxV=head,
+               final_norm_D=target.final_norm.scale[...])
