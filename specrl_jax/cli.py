@@ -9,6 +9,8 @@ import sys
 # subcommand -> (module with a ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("specrl_jax.demo", "short GRPO run with speculative rollouts on the default task"),
+    "train": ("specrl_jax.rl.train_command",
+              "GRPO training: warm start, sync/async RL, metrics, checkpoints, plots"),
     "simulate": ("specrl_jax.sim.command",
                  "roofline simulation of an RL step, plain vs speculative rollouts"),
 }

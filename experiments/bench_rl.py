@@ -1,0 +1,190 @@
+"""RL step time, plain vs speculative rollouts, sync vs async, measured in one run.
+
+On the demo's warm-started policy and draft model (trained here, or loaded from
+--warm-from), with the same prompts, seeds and engine shape for every arm:
+
+  sync  (all devices, one mesh): the fused one-call ``rl_step`` time, and a breakdown
+        from the same stages jitted one by one: generation (rollout + rewards),
+        log-prob (the trainer's recomputation), train (the GRPO update), drafter (the
+        extra update time of the online drafter loss: speculative train minus plain
+        train), sync (0: the rollout reads the learner's weights in place);
+  async (rollout and train on disjoint halves of the devices): samples/s at
+        max_policy_lag 1 and 2, with the measured weight-push (sync) time.
+
+Medians over --steps timed steps after --warmup compiled ones. Prints one JSON object.
+
+  python experiments/bench_rl.py [--devices=2] [--steps=6] [--warm-from=runs/demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parse():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--devices", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=6)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--warm-from", default="runs/demo")
+  parser.add_argument("--out", default="runs/bench_rl")
+  return parser.parse_args()
+
+
+ARGS = _parse() if __name__ == "__main__" else None
+if ARGS is not None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(ARGS.devices))
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from specrl_jax.rl.async_pipeline import AsyncPipeline  # noqa: E402
+from specrl_jax.rl.experiment import experiment_config  # noqa: E402
+from specrl_jax.rl.sync import build_program, prompts_on_mesh  # noqa: E402
+from specrl_jax.rl.train_command import Session  # noqa: E402
+
+
+def _timed(function, *args):
+  start = time.perf_counter()
+  out = jax.block_until_ready(function(*args))
+  return out, time.perf_counter() - start
+
+
+def _median(values):
+  return statistics.median(values) if values else float("nan")
+
+
+def bench_sync(session: Session, models, kind: str, steps: int, warmup: int) -> dict:
+  config = dataclasses.replace(session.config, drafter=dataclasses.replace(
+      session.config.drafter, kind=kind))
+  session.config = config
+  drafter, online = session.drafter_for(models)
+  mesh, _ = session.meshes()
+  state = session.initial_state(models, online, mesh)
+  program = build_program(nnx.split(models.policy)[0], models.policy.config, session.task,
+                          session.learner, session.rollout_config, mesh, state,
+                          prompt_width=session.prompt_width, drafter=drafter, online=online,
+                          spec=session.spec if drafter is not None else None,
+                          engine=session.engine)
+  stages = {name: [] for name in ("generation", "log_prob", "train", "fused_step")}
+  acceptance, tokens = [], []
+  for step in range(warmup + steps):
+    prompts = prompts_on_mesh(session.step_prompts(step), mesh)
+    rng = session.step_rng(step)
+    copy = jax.device_put(jax.tree.map(jnp.copy, state), program.train_step.state_shardings)
+    trajectories, generation = _timed(program.rollout_jit, state, prompts, rng)
+    batch = trajectories.batch
+    old, log_prob = _timed(program.log_prob_step, state.params, batch.tokens,
+                           batch.response_mask)
+    (_, _), train = _timed(program.train_step.jitted, state, batch.replace(old_logprobs=old))
+    (state, metrics), fused = _timed(program.rl_step, copy, prompts, rng)
+    if step >= warmup:
+      for name, value in (("generation", generation), ("log_prob", log_prob), ("train", train),
+                          ("fused_step", fused)):
+        stages[name].append(value)
+      acceptance.append(float(metrics["acceptance_length"]))
+      tokens.append(int(metrics["generated_tokens"]))
+  result = {name: _median(values) for name, values in stages.items()}
+  result.update(acceptance_length=_median(acceptance), generated_tokens=_median(tokens),
+                samples_per_second=session.rollout_config.group_size
+                * session.rollout_config.prompts_per_step / result["fused_step"])
+  return result
+
+
+def bench_async(session: Session, models, kind: str, lag: int, steps: int, warmup: int) -> dict:
+  config = session.config
+  session.config = dataclasses.replace(config, drafter=dataclasses.replace(config.drafter,
+                                                                           kind=kind))
+  drafter, online = session.drafter_for(models)
+  devices = jax.devices()
+  half = len(devices) // 2
+  from specrl_jax.parallel.mesh import make_mesh
+  rollout_mesh = make_mesh((half, 1, 1), devices=devices[:half])
+  train_mesh = make_mesh((len(devices) - half, 1, 1), devices=devices[half:])
+  state = session.initial_state(models, online, train_mesh)
+  pipeline = AsyncPipeline(nnx.split(models.policy)[0], models.policy.config, session.task,
+                           session.learner, session.rollout_config, rollout_mesh=rollout_mesh,
+                           train_mesh=train_mesh, state=state, prompt_width=session.prompt_width,
+                           max_policy_lag=lag, drafter=drafter, online=online,
+                           spec=session.spec if drafter is not None else None,
+                           engine=session.engine)
+  records = []
+  start = None
+  for record in pipeline.run(state, first_update=0, num_updates=warmup + steps,
+                             prompts_of=session.step_prompts, rng_of=session.step_rng):
+    records.append(record.metrics)
+    if record.update == warmup - 1:
+      start = time.perf_counter()
+  seconds = time.perf_counter() - start
+  timed = records[warmup:]
+  samples = session.rollout_config.group_size * session.rollout_config.prompts_per_step
+  return {"samples_per_second": samples * len(timed) / seconds,
+          "step_seconds": seconds / len(timed),
+          "generation": _median([r["rollout_seconds"] for r in timed]),
+          "train": _median([r["train_seconds"] for r in timed]),
+          "sync": _median([r["sync_seconds"] for r in timed]),
+          "exposed_generation": _median([r["exposed_rollout_seconds"] for r in timed]),
+          "acceptance_length": _median([r["acceptance_length"] for r in timed]),
+          "max_policy_lag_seen": max(r["policy_lag"] for r in records)}
+
+
+def main() -> int:
+  args = ARGS
+  devices = len(jax.devices())
+  config = experiment_config("demo", [
+      f"--rl.mesh={devices},1,1", "--output.progress=false", "--output.plots=false",
+      f"--output.directory={args.out}"])
+  warm = os.path.join(args.warm_from, "warm_start")
+  if os.path.exists(warm) and not os.path.exists(os.path.join(args.out, "warm_start")):
+    shutil.copytree(warm, os.path.join(args.out, "warm_start"))
+  log = lambda message: print(message, file=sys.stderr, flush=True)
+  session = Session(config, log=log)
+  models = session.warm_start()
+  report = {"devices": devices, "samples_per_step": session.rollout_config.group_size
+            * session.rollout_config.prompts_per_step,
+            "engine_slots_per_rollout_shard": config.rl.num_slots,
+            "num_draft_tokens": config.drafter.num_draft_tokens, "timed_steps": args.steps}
+  for kind, arm in (("none", "plain"), ("draft_model", "speculative")):
+    log(f"sync {arm} ...")
+    report[f"sync_{arm}"] = bench_sync(session, models, kind, args.steps, args.warmup)
+    log(json.dumps(report[f"sync_{arm}"]))
+  plain, spec = report["sync_plain"], report["sync_speculative"]
+  spec["drafter"] = max(0.0, spec["train"] - plain["train"])
+  spec["train"] = plain["train"]
+  for arm in (plain, spec):
+    arm["sync"] = 0.0  # colocated: the rollout reads the learner's weights, no copy
+    arm.setdefault("drafter", 0.0)
+  report["sync_generation_speedup"] = plain["generation"] / spec["generation"]
+  report["sync_step_speedup"] = plain["fused_step"] / spec["fused_step"]
+  report["sync_generation_share_plain"] = plain["generation"] / (
+      plain["generation"] + plain["log_prob"] + plain["train"])
+  if devices >= 2:
+    for kind, arm in (("none", "plain"), ("draft_model", "speculative")):
+      for lag in (1, 2):
+        log(f"async {arm} lag {lag} ...")
+        report[f"async_{arm}_lag{lag}"] = bench_async(session, models, kind, lag, args.steps,
+                                                      args.warmup)
+        log(json.dumps(report[f"async_{arm}_lag{lag}"]))
+    for lag in (1, 2):
+      report[f"async_lag{lag}_speculative_vs_sync_plain_throughput"] = (
+          report[f"async_speculative_lag{lag}"]["samples_per_second"]
+          / plain["samples_per_second"])
+      report[f"async_lag{lag}_vs_sync_throughput"] = {
+          arm: report[f"async_{arm}_lag{lag}"]["samples_per_second"]
+          / report[f"sync_{arm}"]["samples_per_second"] for arm in ("plain", "speculative")}
+  print(json.dumps(report, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

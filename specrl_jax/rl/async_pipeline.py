@@ -1,0 +1,199 @@
+"""Asynchronous GRPO: rollouts and training on disjoint device meshes, overlapped.
+
+The rollout mesh generates batch b with the newest weights it has while the train
+mesh updates on batch b - 1 (or older). Each trajectory batch carries the policy
+version (number of updates) of the weights that produced it; an update u may train
+on a batch of version v only if u - v <= max_policy_lag. The schedule keeps that
+bound by construction: batch b is started only once version b - max_policy_lag has
+been pushed to the rollout mesh (until then generation waits), and ``check_lag``
+refuses anything older before it reaches the learner.
+
+Everything is dispatched from one host thread; JAX's asynchronous dispatch lets the
+two meshes run concurrently, and array dependencies order the work. After each update
+the new policy (and online drafter) weights are pushed to the rollout mesh with
+``jax.device_put`` onto the rollout shardings: a device-to-device reshard. The ratio
+correction for stale rollouts is the learner's truncated importance sampling
+(``GRPOConfig.tis_cap``) between the trainer's log-probs and the rollout's.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specrl_jax.config import ConfigError, SpecConfig, check
+from specrl_jax.parallel.mesh import batch_sharding
+from specrl_jax.rl.learner import LearnerConfig, TrainState, make_log_prob_step, make_train_step
+from specrl_jax.rl.online_drafters import OnlineDrafter
+from specrl_jax.rl.sync import (
+    RolloutConfig, Trajectories, make_rollout, rollout_metrics, to_host,
+)
+from specrl_jax.rl.tasks.base import PromptBatch, Task
+from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.speculative.drafters.base import Drafter
+
+
+class StalePolicyError(RuntimeError):
+  """A trajectory batch is older than max_policy_lag allows."""
+
+
+def check_lag(update: int, policy_version: int, max_policy_lag: int) -> int:
+  """The lag of training update ``update`` on a batch of ``policy_version``; raises
+  StalePolicyError past the bound (or for a batch from the future)."""
+  lag = update - policy_version
+  if not 0 <= lag <= max_policy_lag:
+    raise StalePolicyError(
+        f"update {update} was handed trajectories of policy version {policy_version} "
+        f"(lag {lag}); allowed lag is 0..max_policy_lag={max_policy_lag}.")
+  return lag
+
+
+def rollout_version(batch: int, max_policy_lag: int, first_version: int = 0) -> int:
+  """The oldest policy version batch ``batch`` may be generated with (the schedule
+  generates it with exactly this one, as early as possible)."""
+  return max(first_version, batch - max_policy_lag)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+  """What the pipeline hands back after each update (metrics are host values)."""
+  update: int
+  state: TrainState
+  metrics: dict[str, Any]
+
+
+def _when_ready(pool: concurrent.futures.Executor, tree) -> concurrent.futures.Future:
+  """A future of the wall time at which ``tree``'s arrays are computed."""
+  return pool.submit(lambda: (jax.block_until_ready(tree), time.perf_counter())[1])
+
+
+class AsyncPipeline:
+  """Overlapped rollouts (``rollout_mesh``) and updates (``train_mesh``)."""
+
+  def __init__(self, graphdef: nnx.GraphDef, model_config, task: Task, learner: LearnerConfig,
+               rollout_config: RolloutConfig, *, rollout_mesh: Mesh, train_mesh: Mesh,
+               state: TrainState, prompt_width: int, max_policy_lag: int,
+               drafter: Drafter | None = None, online: OnlineDrafter | None = None,
+               spec: SpecConfig | None = None, engine: EngineConfig = EngineConfig()):
+    check(isinstance(max_policy_lag, int) and max_policy_lag >= 0, "AsyncPipeline",
+          "max_policy_lag", max_policy_lag, "an integer >= 0")
+    shared = set(rollout_mesh.devices.flat) & set(train_mesh.devices.flat)
+    if shared:
+      raise ConfigError(f"rollout and train meshes share devices {sorted(d.id for d in shared)}: "
+                        "async RL needs disjoint device sets.")
+    if online is not None:
+      drafter = online.drafter
+    self.max_policy_lag = max_policy_lag
+    self.rollout_mesh, self.train_mesh = rollout_mesh, train_mesh
+    self.online, self.drafter = online, drafter
+    self.max_new_tokens = learner.sampling.max_new_tokens
+    self.train_step = make_train_step(graphdef, learner, train_mesh, state,
+                                      drafter=online.objective if online else None)
+    log_prob_step = make_log_prob_step(graphdef, learner, train_mesh, state.params)
+    rollout = make_rollout(graphdef, model_config, task, learner, rollout_config, rollout_mesh,
+                           prompt_width=prompt_width, drafter=drafter, spec=spec, engine=engine)
+    self._static_drafter_params = (
+        () if drafter is None else None if online is not None else drafter.params())
+    self._rollout = jax.jit(rollout)
+    train_step = self.train_step.jitted
+
+    def train(state, trajectories: Trajectories):
+      batch = trajectories.batch
+      old_logprobs = log_prob_step(state.params, batch.tokens, batch.response_mask)
+      return train_step(state, batch.replace(old_logprobs=old_logprobs))
+
+    shardings = self.train_step.state_shardings
+    self._train = jax.jit(train, in_shardings=(shardings, None),
+                          out_shardings=(shardings, NamedSharding(train_mesh, P())),
+                          donate_argnums=0)
+    self._replicated = NamedSharding(rollout_mesh, P())
+    self._rollout_rows = batch_sharding(rollout_mesh)
+    self._train_rows = batch_sharding(train_mesh)
+    # (update, policy version) of every batch trained on: the lag record tests read.
+    self.trained_on: list[tuple[int, int]] = []
+
+  # -------------------------------------------------------------- weights and data
+
+  def push_weights(self, state: TrainState):
+    """The rollout's copy of the policy (and drafter) weights: a reshard onto the
+    rollout mesh, replicated there (each rollout shard decodes with whole weights)."""
+    drafter = (self.online.rollout_params(state.drafter_params) if self.online is not None
+               else self._static_drafter_params)
+    return jax.device_put((state.params, drafter), self._replicated)
+
+  def _to_train_mesh(self, trajectories: Trajectories) -> Trajectories:
+    rows = jax.tree.map(lambda x: self._train_rows, trajectories.batch)
+    return trajectories.replace(
+        batch=jax.device_put(trajectories.batch, rows),
+        **{name: jax.device_put(getattr(trajectories, name), NamedSharding(self.train_mesh, P()))
+           for name in ("rewards_R", "lengths_R", "counters", "exhausted", "policy_version")})
+
+  # -------------------------------------------------------------- the loop
+
+  def run(self, state: TrainState, *, first_update: int, num_updates: int,
+          prompts_of: Callable[[int], PromptBatch], rng_of: Callable[[int], jax.Array],
+          max_policy_lag: int | None = None) -> Iterator[StepRecord]:
+    """Yields one StepRecord per update in [first_update, first_update + num_updates).
+
+    prompts_of(b) / rng_of(b): the host prompts and the rollout key of batch b (batch
+    b is the one update b trains on). max_policy_lag overrides the pipeline's bound
+    for this run (the compiled programs do not depend on it).
+    """
+    lag = self.max_policy_lag if max_policy_lag is None else max_policy_lag
+    check(isinstance(lag, int) and lag >= 0, "AsyncPipeline.run", "max_policy_lag", lag,
+          "an integer >= 0")
+    end = first_update + num_updates
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
+    pushed, pushed_version = self.push_weights(state), first_update
+    in_flight: collections.deque = collections.deque()
+    next_batch = first_update
+    last_rollout_ready = last_train_ready = time.perf_counter()
+    previous_yield = time.perf_counter()
+    try:
+      for update in range(first_update, end):
+        # Start every batch whose policy would still be fresh enough when trained on.
+        while next_batch < end and next_batch <= update + lag:
+          if pushed_version < rollout_version(next_batch, lag, first_update):
+            break  # wait for newer weights
+          prompts = jax.device_put(prompts_of(next_batch), self._rollout_rows)
+          started = time.perf_counter()
+          trajectories = self._rollout(pushed[0], pushed[1], prompts, rng_of(next_batch),
+                                       pushed_version)
+          in_flight.append((next_batch, pushed_version, started, trajectories,
+                            _when_ready(pool, trajectories)))
+          next_batch += 1
+        batch, version, started, trajectories, ready = in_flight.popleft()
+        assert batch == update
+        check_lag(update, version, lag)
+        self.trained_on.append((update, version))
+        rollout_stats = rollout_metrics(trajectories, self.max_new_tokens)
+        train_started = time.perf_counter()
+        state, metrics = self._train(state, self._to_train_mesh(trajectories))
+        train_ready = _when_ready(pool, (state.params, metrics))
+        push_started = time.perf_counter()
+        pushed, pushed_version = self.push_weights(state), update + 1
+        push_ready = _when_ready(pool, pushed)
+
+        host = to_host({**metrics, **rollout_stats})
+        rollout_done, train_done, push_done = ready.result(), train_ready.result(), push_ready.result()
+        rollout_seconds = rollout_done - max(started, last_rollout_ready)
+        train_seconds = train_done - max(train_started, rollout_done, last_train_ready)
+        exposed = max(0.0, rollout_done - last_train_ready)
+        last_rollout_ready, last_train_ready = rollout_done, train_done
+        now = time.perf_counter()
+        host.update(policy_lag=update - version, rollout_seconds=rollout_seconds,
+                    train_seconds=train_seconds, exposed_rollout_seconds=exposed,
+                    sync_seconds=max(0.0, push_done - max(push_started, train_done)),
+                    step_seconds=now - previous_yield)
+        previous_yield = now
+        yield StepRecord(update=update, state=state, metrics=host)
+    finally:
+      pool.shutdown(wait=True)

@@ -1,0 +1,269 @@
+"""Experiment configuration: frozen dataclasses, named presets, command-line overrides.
+
+    config = experiment_config("demo", ["--rl.group_size=8", "--drafter.kind=none"])
+
+Each section validates itself; an override names a field by its dotted path and is
+parsed to that field's type, so `--rl.steps=ten` fails with the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, check
+from specrl_jax.models import tokenizer
+from specrl_jax.rl.learner import LearnerConfig
+from specrl_jax.rl.losses import GRPOConfig
+from specrl_jax.rl.tasks import TASKS, Task, make_task
+
+
+def _positive(owner, name, value):
+  check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner, name,
+        value, "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+  """A built-in-vocabulary decoder (the policy, or a draft model)."""
+  hidden_size: int = 192
+  intermediate_size: int = 512
+  num_layers: int = 3
+  num_heads: int = 6
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  seed: int = 0
+
+  def model_config(self) -> ModelConfig:
+    return ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=self.hidden_size,
+                       intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                       head_dim=self.head_dim, max_position_embeddings=512)
+
+
+DRAFTER_KINDS = ("none", "draft_model", "ngram")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterSection:
+  """kind: "none" (plain rollouts), "draft_model" (a small model distilled from the
+  warm-started policy) or "ngram"; online: keep training the draft model during RL."""
+  kind: str = "draft_model"
+  num_draft_tokens: int = 3
+  online: bool = True
+  loss_weight: float = 1.0
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  num_layers: int = 1
+  num_heads: int = 2
+  num_kv_heads: int = 1
+  head_dim: int = 32
+  ngram_n: int = 3
+
+  def __post_init__(self):
+    owner = "DrafterSection"
+    check(self.kind in DRAFTER_KINDS, owner, "kind", self.kind, f"one of {DRAFTER_KINDS}")
+    _positive(owner, "num_draft_tokens", self.num_draft_tokens)
+    check(self.loss_weight >= 0, owner, "loss_weight", self.loss_weight, ">= 0")
+
+  @property
+  def model(self) -> ModelSection:
+    return ModelSection(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                        num_layers=self.num_layers, num_heads=self.num_heads,
+                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, seed=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskSection:
+  """The task (by registry name) and its prompt set: ``num_prompts`` problems drawn
+  with ``seed``. Options not used by the chosen task are ignored."""
+  name: str = "arithmetic"
+  min_digits: int = 2
+  max_digits: int = 3
+  num_numbers: int = 3
+  max_number: int = 9
+  num_prompts: int = 512
+  seed: int = 0
+
+  def __post_init__(self):
+    check(self.name in TASKS, "TaskSection", "name", self.name, f"one of {sorted(TASKS)}")
+    _positive("TaskSection", "num_prompts", self.num_prompts)
+
+  def make(self) -> Task:
+    options = {"arithmetic": dict(min_digits=self.min_digits, max_digits=self.max_digits),
+               "countdown": dict(num_numbers=self.num_numbers, max_number=self.max_number)}
+    return make_task(self.name, **options.get(self.name, {}))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmStartSection:
+  """SFT of the policy on worked solutions, then distillation of the draft model."""
+  sft_steps: int = 300
+  sft_batch_size: int = 32
+  sft_learning_rate: float = 3e-3
+  sft_noise: float = 0.0
+  distill_steps: int = 150
+  distill_learning_rate: float = 3e-3
+
+  def __post_init__(self):
+    for name in ("sft_steps", "distill_steps"):
+      value = getattr(self, name)
+      check(isinstance(value, int) and value >= 0, "WarmStartSection", name, value,
+            "an integer >= 0")
+
+
+RL_MODES = ("sync", "async")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLSection:
+  """GRPO. mode "sync": one jitted step per update on one mesh; "async": rollouts on
+  ``rollout_devices`` devices and training on the next ``train_devices``, overlapped,
+  trajectories at most ``max_policy_lag`` updates old."""
+  mode: str = "sync"
+  steps: int = 30
+  group_size: int = 8
+  prompts_per_step: int = 8
+  temperature: float = 1.0
+  learning_rate: float = 1e-4
+  warmup_steps: int = 5
+  clip_eps_high: float = 0.28
+  tis_cap: float = 2.0
+  num_slots: int = 8
+  max_policy_lag: int = 1
+  mesh: tuple[int, int, int] = (1, 1, 1)
+  rollout_devices: int = 1
+  train_devices: int = 1
+  seed: int = 0
+
+  def __post_init__(self):
+    owner = "RLSection"
+    check(self.mode in RL_MODES, owner, "mode", self.mode, f"one of {RL_MODES}")
+    for name in ("steps", "group_size", "prompts_per_step", "rollout_devices", "train_devices"):
+      _positive(owner, name, getattr(self, name))
+    check(isinstance(self.num_slots, int) and self.num_slots >= 0, owner, "num_slots",
+          self.num_slots, "an integer >= 0 (0 = one slot per sample)")
+    check(isinstance(self.max_policy_lag, int) and self.max_policy_lag >= 0, owner,
+          "max_policy_lag", self.max_policy_lag, "an integer >= 0")
+    check(self.temperature > 0, owner, "temperature", self.temperature,
+          "> 0 (GRPO needs sampled rollouts)")
+
+  def learner(self, max_new_tokens: int) -> LearnerConfig:
+    sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,
+                              stop_token_ids=(tokenizer.EOS_ID,))
+    return LearnerConfig(learning_rate=self.learning_rate, schedule="constant",
+                         warmup_steps=self.warmup_steps, max_grad_norm=1.0, sampling=sampling,
+                         loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutputSection:
+  """Where a run writes: metrics.jsonl, TensorBoard events, checkpoints/, plots."""
+  directory: str = "runs/train"
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 3
+  resume: bool = True
+  tensorboard: bool = True
+  plots: bool = True
+  progress: bool = True
+
+  def __post_init__(self):
+    check(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0, "OutputSection",
+          "checkpoint_every", self.checkpoint_every, "an integer >= 0 (0 = only at the end)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+  policy: ModelSection = ModelSection()
+  drafter: DrafterSection = DrafterSection()
+  task: TaskSection = TaskSection()
+  warm_start: WarmStartSection = WarmStartSection()
+  rl: RLSection = RLSection()
+  output: OutputSection = OutputSection()
+
+
+PRESETS: dict[str, ExperimentConfig] = {
+    # `make demo`: ~1.2M-parameter policy, 64-wide one-layer drafter, 1-2 digit addition.
+    "demo": ExperimentConfig(
+        task=TaskSection(min_digits=1, max_digits=2),
+        warm_start=WarmStartSection(sft_steps=150, sft_learning_rate=5e-3, distill_steps=100,
+                                    distill_learning_rate=5e-3),
+        rl=RLSection(steps=30, prompts_per_step=16, warmup_steps=3),
+        output=OutputSection(directory="runs/demo", checkpoint_every=0)),
+    # Tests: a tiny policy and drafter, few short steps.
+    "tiny": ExperimentConfig(
+        policy=ModelSection(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=16),
+        drafter=DrafterSection(hidden_size=32, intermediate_size=64, num_heads=1, head_dim=16),
+        task=TaskSection(min_digits=1, max_digits=1, num_prompts=64),
+        warm_start=WarmStartSection(sft_steps=120, sft_batch_size=16, sft_learning_rate=1e-2,
+                                    sft_noise=0.5, distill_steps=10),
+        rl=RLSection(steps=4, group_size=4, prompts_per_step=4, num_slots=0,
+                     learning_rate=1e-3, warmup_steps=0),
+        output=OutputSection(directory="runs/tiny", checkpoint_every=2, plots=False)),
+}
+
+
+# ----------------------------------------------------------------- overrides
+
+def _parse(text: str, current: Any, annotation: Any, path: str) -> Any:
+  """``text`` as a value of the field's type (the annotation, else the default's)."""
+  origin = typing.get_origin(annotation)
+  args = typing.get_args(annotation)
+  if text.lower() == "none" and (current is None or type(None) in args):
+    return None
+  kind = type(current) if current is not None else next(a for a in args if a is not type(None))
+  try:
+    if kind is bool:
+      lowered = text.lower()
+      if lowered not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(text)
+      return lowered in ("true", "1", "yes")
+    if kind is tuple or origin is tuple:
+      element = (args[0] if args else type(current[0]) if current else int)
+      return tuple(element(part) for part in text.strip("()").split(",") if part.strip())
+    return kind(text)
+  except (ValueError, TypeError, StopIteration):
+    raise ConfigError(f"--{path}={text!r} is invalid: expected a value of type "
+                      f"{getattr(kind, '__name__', kind)}.") from None
+
+
+def _replace(config: Any, names: Sequence[str], text: str, path: str) -> Any:
+  fields = {f.name: f for f in dataclasses.fields(config)}
+  if names[0] not in fields:
+    raise ConfigError(f"--{path} is not a config field: {type(config).__name__} has "
+                      f"{sorted(fields)}.")
+  current = getattr(config, names[0])
+  if len(names) > 1:
+    if not dataclasses.is_dataclass(current):
+      raise ConfigError(f"--{path}: {names[0]} is a value, not a section.")
+    value = _replace(current, names[1:], text, path)
+  else:
+    if dataclasses.is_dataclass(current):
+      raise ConfigError(f"--{path} names a section; set one of its fields, e.g. "
+                        f"--{path}.{dataclasses.fields(current)[0].name}=...")
+    hints = typing.get_type_hints(type(config))
+    value = _parse(text, current, hints.get(names[0]), path)
+  return dataclasses.replace(config, **{names[0]: value})
+
+
+def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
+  """Applies ``--section.field=value`` overrides in order."""
+  for override in overrides:
+    if not override.startswith("--") or "=" not in override:
+      raise ConfigError(f"override {override!r} is invalid: expected --section.field=value.")
+    path, text = override[2:].split("=", 1)
+    config = _replace(config, path.split("."), text, path)
+  return config
+
+
+def experiment_config(preset: str = "demo", overrides: Sequence[str] = ()) -> ExperimentConfig:
+  if preset not in PRESETS:
+    raise ConfigError(f"preset={preset!r} is invalid: expected one of {sorted(PRESETS)}.")
+  return apply_overrides(PRESETS[preset], overrides)
+
+
+def to_dict(config: ExperimentConfig) -> dict[str, Any]:
+  return dataclasses.asdict(config)

@@ -1,0 +1,105 @@
+"""Synchronous GRPO: one RL step (data-parallel speculative rollout -> rewards ->
+advantages -> log-probs -> update with the online drafter loss) is one compiled call
+with no host round trip, and its trajectories are laid out as the learner expects."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import specrl_jax as sj
+from specrl_jax import parallel, rl
+from specrl_jax.models import tokenizer
+from specrl_jax.rl import online_drafters, sync, tasks
+
+TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
+POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+DRAFT = POLICY.replace(num_layers=1)
+SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
+                             stop_token_ids=(tokenizer.EOS_ID,))
+LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant", sampling=SAMPLING,
+                           loss=rl.GRPOConfig(tis_cap=2.0))
+ROLLOUT = sync.RolloutConfig(group_size=4, prompts_per_step=4)
+PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
+
+
+def _program(mesh):
+  graphdef, params = nnx.split(sj.Transformer(POLICY, rngs=nnx.Rngs(0)))
+  online = online_drafters.online_drafter(
+      sj.drafters.DraftModel(sj.Transformer(DRAFT, rngs=nnx.Rngs(1))), sampling=SAMPLING)
+  state = rl.init_train_state(params, LEARNER, mesh, rng=jax.random.key(0),
+                              drafter_params=online.trainable)
+  program = sync.build_program(graphdef, POLICY, TASK, LEARNER, ROLLOUT, mesh, state,
+                               prompt_width=PROMPTS.tokens_PxT.shape[1], online=online,
+                               spec=sj.SpecConfig(num_draft_tokens=3))
+  return program, state
+
+
+def _inputs(program, step):
+  prompts = sync.prompts_on_mesh(PROMPTS.take(tasks.step_indices(16, step, 4, seed=0)),
+                                 program.mesh)
+  return prompts, jax.device_put(jax.random.fold_in(jax.random.key(0), step), program.replicated)
+
+
+def _copy(program, state):
+  """A copy laid out like the step's input (the step donates its state)."""
+  return jax.device_put(jax.tree.map(jnp.copy, state), program.train_step.state_shardings)
+
+
+@pytest.fixture(scope="module")
+def speculative():
+  """A data-parallel program: 2 x 2 batch shards, each decoding its own prompt's group."""
+  mesh = parallel.make_mesh((2, 2, 1), devices=jax.devices()[:4])
+  return _program(mesh)
+
+
+def test_one_rl_step_is_one_jitted_call_with_no_host_transfer(speculative):
+  program, state = speculative
+  state = _copy(program, state)
+  state, _ = program.rl_step(state, *_inputs(program, 0))  # compiles
+  inputs = _inputs(program, 1)
+  drafter_before = jax.tree.map(np.asarray, state.drafter_params)
+  with jax.transfer_guard("disallow"):
+    state, metrics = program.rl_step(state, *inputs)
+  assert program.rl_step._cache_size() == 1
+  metrics = sync.to_host(metrics)
+  assert int(state.step) == 2 and metrics["policy_version"] == 1
+  assert np.isfinite(metrics["loss"]) and metrics["rewards_finite"]
+  assert metrics["acceptance_length"] > 1.0 and metrics["target_calls"] > 0
+  assert len(metrics["per_position_acceptance"]) == 3
+  assert metrics["generated_tokens"] >= ROLLOUT.group_size * ROLLOUT.prompts_per_step
+  # The online drafter loss moved the drafter the next rollout drafts with (the policy
+  # moves only when a group's rewards differ, which a random policy rarely manages).
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(drafter_before),
+                                                      jax.tree.leaves(state.drafter_params)))
+
+
+def test_trajectories_hold_groups_with_their_rewards_and_advantages(speculative):
+  program, state = speculative
+  prompts, rng = _inputs(program, 5)
+  trajectories = jax.device_get(program.rollout_jit(state, prompts, rng))
+  batch, group = trajectories.batch, ROLLOUT.group_size
+  rows = np.asarray(batch.tokens)
+  lengths = np.asarray(trajectories.lengths_R)
+  for row in range(rows.shape[0]):
+    prompt = int(prompts.lengths_P[row // group])
+    np.testing.assert_array_equal(rows[row, :prompt], prompts.tokens_PxT[row // group, :prompt])
+    mask = np.asarray(batch.response_mask[row])
+    assert mask.sum() == lengths[row] and mask[prompt:prompt + lengths[row]].all()
+    assert np.all(np.asarray(batch.rollout_logprobs[row])[mask] <= 0)
+  rewards = np.asarray(trajectories.rewards_R).reshape(-1, group)
+  advantages = np.asarray(batch.advantages).reshape(-1, group)
+  expected = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(advantages, expected, atol=1e-5)
+
+
+def test_build_rows_places_the_response_right_after_each_prompt():
+  tokens, mask, log_probs = sync.build_rows(
+      jnp.asarray([[1, 5, 6, 0], [1, 7, 0, 0]]), jnp.asarray([3, 2]),
+      jnp.asarray([[9, 2, -1], [8, 8, 2]]), jnp.asarray([2, 3]),
+      jnp.asarray([[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]))
+  np.testing.assert_array_equal(tokens, [[1, 5, 6, 9, 2, 0, 0], [1, 7, 8, 8, 2, 0, 0]])
+  np.testing.assert_array_equal(mask, [[0, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0, 0]])
+  np.testing.assert_allclose(log_probs, [[0, 0, 0, -0.5, -0.25, 0, 0], [0, 0, -1, -2, -3, 0, 0]])
