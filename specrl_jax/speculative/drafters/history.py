@@ -1,0 +1,602 @@
+"""Rollout-history drafting: continue the current response as earlier rollouts of the
+same prompt continued it.
+
+GRPO samples G responses per prompt and revisits its prompts every epoch, so the best
+guess of what the policy writes next is often what it wrote before for the same
+prompt. ``History`` searches three sources for the longest suffix of each sequence and
+proposes what followed it (the recency-weighted distribution of continuations, as the
+n-gram drafter does over one sequence):
+
+  - the bank: earlier rollouts of the prompt (previous epochs), held host-side in a
+    fixed-size ``HistoryStore`` and handed to the compiled program through ``params()``;
+  - siblings: the other samples of the same prompt in this call, in flight or finished
+    (the slot rows the engine keeps, plus a bounded in-loop table of finished rollouts
+    whose slots were reused);
+  - the sequence itself (prompt lookup).
+
+A prompt is identified by a 32-bit hash of its tokens computed the same way on the host
+and inside the loop, so no engine change is needed. A collision only mixes two prompts'
+histories: it can lower acceptance, never change what is sampled.
+
+With a ``fallback`` drafter (EAGLE-3, MTP, a draft model) every node of the draft tree
+takes its q from the history when a suffix of at least ``min_match`` tokens matched and
+from the fallback otherwise. Either way the q a child was drawn from is the q the
+verifier sees, so decoding stays exactly lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specrl_jax.config import ConfigError, check
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+
+Array = jax.Array
+
+# Polynomial hash of a prompt modulo 2**32: sum_i (token_i + 1) * BASE**i + length * MIX.
+_KEY_BASE = 0x01000193
+_KEY_LENGTH_MIX = 0x9E3779B1
+
+# Which drafter the root of a round's tree came from (per slot, for the statistics).
+SOURCE_NONE, SOURCE_HISTORY, SOURCE_FALLBACK = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HistoryConfig:
+  """Sizes of the history drafter; together they bound its memory.
+
+  max_prompts: P, prompts whose earlier rollouts the store keeps (least recently
+    updated prompt evicted first).
+  rollouts_per_prompt: G, earlier rollouts kept per prompt (oldest evicted first).
+  rollout_tokens: L, tokens kept per rollout: the prompt's last ``max_match`` tokens,
+    then the response (cut to fit; the last position always stays empty).
+  max_match: longest suffix (in tokens) matched; longer matches pool with it.
+  min_match: shorter matches propose nothing, or defer to the fallback drafter; None:
+    1 alone, max_match // 2 with a fallback (a short match of a few tokens is a worse
+    guess than a trained drafter's).
+  siblings: sibling rollouts of the same prompt searched per sequence, from the slots
+    and, separately, from the in-loop table of finished rollouts.
+  finished_rollouts: F, size of that in-loop table (oldest overwritten).
+  """
+  max_prompts: int = 256
+  rollouts_per_prompt: int = 8
+  rollout_tokens: int = 128
+  max_match: int = 16
+  min_match: int | None = None
+  siblings: int = 4
+  finished_rollouts: int = 64
+
+  def __post_init__(self):
+    owner = "HistoryConfig"
+    for name in ("max_prompts", "rollouts_per_prompt", "max_match", "finished_rollouts"):
+      value = getattr(self, name)
+      check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner,
+            name, value, "a positive integer")
+    check(isinstance(self.siblings, int) and self.siblings >= 0, owner, "siblings",
+          self.siblings, "an integer >= 0 (0 searches no siblings)")
+    check(self.min_match is None or (isinstance(self.min_match, int)
+                                     and 1 <= self.min_match <= self.max_match),
+          owner, "min_match", self.min_match,
+          f"None or an integer in [1, max_match={self.max_match}]")
+    check(isinstance(self.rollout_tokens, int) and self.rollout_tokens >= self.max_match + 2,
+          owner, "rollout_tokens", self.rollout_tokens,
+          f"an integer >= max_match + 2 = {self.max_match + 2} (prompt tail, a response "
+          "token and the empty end)")
+
+  @property
+  def bank_bytes(self) -> int:
+    """Bytes of the store's arrays (and of the bank ``params()`` hands to the device)."""
+    p, g, l = self.max_prompts, self.rollouts_per_prompt, self.rollout_tokens
+    return p * g * l * 4 + p * 4 + p
+
+
+def _layout(config: HistoryConfig) -> tuple[int, int, int, int]:
+  """The fields that shape stored rollouts (a store serves any drafter agreeing on them)."""
+  return (config.max_prompts, config.rollouts_per_prompt, config.rollout_tokens,
+          config.max_match)
+
+
+# ----------------------------------------------------------------- prompt keys
+
+@functools.lru_cache(maxsize=64)
+def _key_powers(length: int) -> np.ndarray:
+  """BASE**i mod 2**32 for i < length (read-only: the cache shares it)."""
+  powers = np.empty(length, np.uint32)
+  value = 1
+  for i in range(length):
+    powers[i] = value
+    value = value * _KEY_BASE % 2**32
+  powers.flags.writeable = False
+  return powers
+
+
+def prompt_key(prompt: Sequence[int]) -> int:
+  """The 32-bit key of a prompt; ``prompt_keys`` computes the same inside jit."""
+  tokens = np.asarray(prompt, np.int64).reshape(-1)
+  terms = (tokens + 1).astype(np.uint32) * _key_powers(tokens.size)
+  return (int(np.sum(terms, dtype=np.uint32)) + tokens.size * _KEY_LENGTH_MIX) % 2**32
+
+
+def prompt_keys(history_NxC: Array, prompt_lengths_N: Array) -> Array:
+  """uint32 [N]: ``prompt_key`` of the first prompt_lengths_N[n] tokens of each row."""
+  context = history_NxC.shape[1]
+  in_prompt_NxC = jnp.arange(context)[None, :] < prompt_lengths_N[:, None]
+  terms_NxC = (history_NxC + 1).astype(jnp.uint32) * jnp.asarray(_key_powers(context))[None]
+  terms_NxC = jnp.where(in_prompt_NxC, terms_NxC, jnp.uint32(0))
+  return (jnp.sum(terms_NxC, axis=1, dtype=jnp.uint32)
+          + prompt_lengths_N.astype(jnp.uint32) * jnp.uint32(_KEY_LENGTH_MIX))
+
+
+def rollout_row(prompt: Sequence[int], response: Sequence[int], config: HistoryConfig
+                ) -> np.ndarray:
+  """int32 [L]: the prompt's last max_match tokens, then the response, -1 padded."""
+  row = np.full(config.rollout_tokens, -1, np.int32)
+  tokens = list(prompt[-config.max_match:]) + list(response)
+  tokens = tokens[:config.rollout_tokens - 1]
+  row[:len(tokens)] = tokens
+  return row
+
+
+def rollout_rows(history_NxC: Array, prompt_lengths_N: Array, config: HistoryConfig) -> Array:
+  """int32 [N, L]: ``rollout_row`` of each slot row, inside jit."""
+  context = history_NxC.shape[1]
+  first_N = jnp.maximum(prompt_lengths_N - config.max_match, 0)
+  columns_NxL = first_N[:, None] + jnp.arange(config.rollout_tokens)[None, :]
+  rows_NxL = jnp.take_along_axis(history_NxC, jnp.minimum(columns_NxL, context - 1), axis=1)
+  keep_NxL = (columns_NxL < context) & (jnp.arange(config.rollout_tokens) <
+                                        config.rollout_tokens - 1)[None, :]
+  return jnp.where(keep_NxL, rows_NxL, -1)
+
+
+# ----------------------------------------------------------------- matching
+
+def suffix_runs(sources_NxM: Array, context_NxWxL: Array, max_n: int) -> Array:
+  """int32 [N, W, M]: how many of each context's last tokens (at most max_n) match the
+  sources ending at each position. Sources may hold several sequences separated by -1:
+  a run never crosses one."""
+  num_slots, length = sources_NxM.shape
+  width = context_NxWxL.shape[1]
+  alive_NxWxM = jnp.ones((num_slots, width, length), bool)
+  run_NxWxM = jnp.zeros((num_slots, width, length), jnp.int32)
+  for back in range(min(max_n, context_NxWxL.shape[2])):
+    earlier_NxM = jnp.pad(sources_NxM, ((0, 0), (back, 0)), constant_values=-1)[:, :length]
+    token_NxW = context_NxWxL[:, :, -1 - back]
+    alive_NxWxM &= ((earlier_NxM[:, None, :] == token_NxW[..., None])
+                    & (token_NxW >= 0)[..., None])
+    run_NxWxM += alive_NxWxM
+  return run_NxWxM
+
+
+def extend_runs(sources_NxM: Array, parent_runs_NxPxM: Array, tokens_NxW: Array,
+                max_n: int) -> Array:
+  """``suffix_runs`` of the W children of P parents (each parent's children contiguous)
+  whose contexts append ``tokens_NxW``: a run ending at s continues the parent's run
+  ending at s - 1 when s holds the child's token. O(M) per child instead of O(M * max_n)."""
+  width = tokens_NxW.shape[1]
+  parents_NxWxM = jnp.repeat(parent_runs_NxPxM, width // parent_runs_NxPxM.shape[1], axis=1)
+  earlier_NxWxM = jnp.pad(parents_NxWxM, ((0, 0), (0, 0), (1, 0)))[:, :, :-1]
+  same_NxWxM = ((sources_NxM[:, None, :] == tokens_NxW[..., None])
+                & (tokens_NxW >= 0)[..., None])
+  return jnp.where(same_NxWxM, jnp.minimum(earlier_NxWxM + 1, max_n), 0)
+
+
+def continuations_log_probs(sources_NxM: Array, run_NxWxM: Array, vocab_size: int,
+                            min_n: int) -> Array:
+  """log q [N, W, V] over the tokens that followed the longest runs (at least min_n),
+  recency-weighted; rows with no such run get -inf everywhere."""
+  num_slots, width, length = run_NxWxM.shape
+  next_NxM = jnp.concatenate([sources_NxM[:, 1:], jnp.full((num_slots, 1), -1, jnp.int32)],
+                             axis=1)
+  has_next_NxM = (next_NxM >= 0) & (next_NxM < vocab_size)
+  run_NxWxM = jnp.where(has_next_NxM[:, None], run_NxWxM, 0)
+  best_NxW = jnp.max(run_NxWxM, axis=-1)
+  use_NxWxM = (run_NxWxM == best_NxW[..., None]) & (best_NxW >= min_n)[..., None]
+  # Weighted by where the matched window starts, exactly as the n-gram drafter does.
+  start_NxWxM = jnp.arange(length)[None, None, :] + 1 - best_NxW[..., None]
+  weight_NxWxM = use_NxWxM * (1.0 + start_NxWxM / length)
+  slot_NxWxM = jnp.broadcast_to(jnp.arange(num_slots)[:, None, None], use_NxWxM.shape)
+  node_NxWxM = jnp.broadcast_to(jnp.arange(width)[None, :, None], use_NxWxM.shape)
+  token_NxWxM = jnp.broadcast_to(jnp.where(has_next_NxM, next_NxM, 0)[:, None], use_NxWxM.shape)
+  counts_NxWxV = jnp.zeros((num_slots, width, vocab_size)).at[
+      slot_NxWxM, node_NxWxM, token_NxWxM].add(weight_NxWxM)
+  total_NxWx1 = jnp.sum(counts_NxWxV, axis=-1, keepdims=True)
+  return jnp.where(counts_NxWxV > 0,
+                   jnp.log(counts_NxWxV / jnp.where(total_NxWx1 > 0, total_NxWx1, 1.0)),
+                   -jnp.inf)
+
+
+def longest_match_log_probs(sources_NxM: Array, context_NxWxL: Array, vocab_size: int,
+                            max_n: int, min_n: int) -> Array:
+  """log q [N, W, V] over the tokens that followed the longest suffix of each context
+  (up to max_n tokens, at least min_n) found in the slot's sources.
+
+  The same q as ``ngram.continuation_log_probs`` (recency-weighted continuations of the
+  largest n that occurs), computed in one pass over n: the run of matching tokens
+  ending at each source position grows while the tokens keep matching, so the cost is
+  O(M * max_n) rather than O(M * max_n^2), and long matches are affordable. Sources
+  may hold several sequences separated by -1; nothing is proposed from a position
+  whose next entry is not a token.
+  """
+  return continuations_log_probs(sources_NxM, suffix_runs(sources_NxM, context_NxWxL, max_n),
+                                 vocab_size, min_n)
+
+
+# ----------------------------------------------------------------- the host-side store
+
+class HistoryStore:
+  """Earlier rollouts by prompt, in arrays of a fixed size (``config.bank_bytes``).
+
+  Each of the P rows holds one prompt's last G rollouts, oldest first; a new rollout
+  pushes out the row's oldest, and a new prompt takes a free row or the row updated
+  longest ago.
+  """
+
+  def __init__(self, config: HistoryConfig):
+    self.config = config
+    p, g, l = config.max_prompts, config.rollouts_per_prompt, config.rollout_tokens
+    self.tokens_PxGxL = np.full((p, g, l), -1, np.int32)
+    self.keys_P = np.zeros((p,), np.uint32)
+    self.valid_P = np.zeros((p,), bool)
+    self.counts_P = np.zeros((p,), np.int64)
+    self.updated_P = np.zeros((p,), np.int64)
+    self._row_of: dict[int, int] = {}
+    self._clock = 0
+    self._device = None
+
+  def __len__(self) -> int:
+    """Prompts held."""
+    return len(self._row_of)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the bank arrays (``config.bank_bytes``, whatever has been added)."""
+    return self.tokens_PxGxL.nbytes + self.keys_P.nbytes + self.valid_P.nbytes
+
+  def _row_for(self, key: int) -> int:
+    row = self._row_of.get(key)
+    if row is not None:
+      return row
+    free = np.flatnonzero(~self.valid_P)
+    row = int(free[0]) if free.size else int(np.argmin(self.updated_P))
+    if self.valid_P[row]:
+      del self._row_of[int(self.keys_P[row])]
+    self.tokens_PxGxL[row] = -1
+    self.keys_P[row], self.valid_P[row], self.counts_P[row] = key, True, 0
+    self._row_of[key] = row
+    return row
+
+  def add(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+    """Records one rollout (the response's tokens, its stop token included)."""
+    row = self._row_for(prompt_key(prompt))
+    self.tokens_PxGxL[row, :-1] = self.tokens_PxGxL[row, 1:]
+    self.tokens_PxGxL[row, -1] = rollout_row(prompt, response, self.config)
+    self.counts_P[row] = min(self.counts_P[row] + 1, self.config.rollouts_per_prompt)
+    self._clock += 1
+    self.updated_P[row] = self._clock
+    self._device = None
+
+  def holds(self, prompt: Sequence[int]) -> bool:
+    return prompt_key(prompt) in self._row_of
+
+  def responses(self, prompt: Sequence[int]) -> list[list[int]]:
+    """The stored (possibly cut) responses to ``prompt``, oldest first."""
+    row = self._row_of.get(prompt_key(prompt))
+    if row is None:
+      return []
+    tail = min(len(prompt), self.config.max_match)
+    kept = self.tokens_PxGxL[row, self.config.rollouts_per_prompt - self.counts_P[row]:]
+    return [[int(t) for t in r[tail:] if t >= 0] for r in kept]
+
+  def clear(self) -> None:
+    self.__init__(self.config)
+
+  def device_arrays(self) -> dict[str, Array]:
+    """The bank as device arrays (cached until the next ``add``)."""
+    if self._device is None:
+      self._device = {"tokens_PxGxL": jnp.asarray(self.tokens_PxGxL),
+                      "keys_P": jnp.asarray(self.keys_P), "valid_P": jnp.asarray(self.valid_P)}
+    return self._device
+
+
+# ----------------------------------------------------------------- in-loop state
+
+@flax.struct.dataclass
+class FinishedTable:
+  """Rollouts finished in this call whose slots were reused (ring of F rows)."""
+  rows_FxL: Array
+  keys_F: Array
+  stamps_F: Array      # insertion order (-1: empty)
+  clock: Array
+
+
+@flax.struct.dataclass
+class HistoryState:
+  """The history drafter's per-slot state and counters (N slots)."""
+  request_N: Array           # the last request each slot served (-1: none yet)
+  keys_N: Array              # its prompt's key
+  rows_NxL: Array            # its rollout so far (``rollout_rows`` format)
+  root_source_N: Array       # SOURCE_* of this round's root q
+  finished: FinishedTable
+  counters: dict[str, Array]
+  fallback: Any = ()
+
+
+COUNTERS = ("history_rounds", "history_accepted", "fallback_rounds", "fallback_accepted",
+            "silent_rounds")
+
+
+def _retire(table: FinishedTable, retire_N: Array, keys_N: Array, rows_NxL: Array
+            ) -> FinishedTable:
+  """Appends the rows of ``retire_N`` to the ring, overwriting its oldest rows."""
+  size = table.keys_F.shape[0]
+  order_N = jnp.cumsum(retire_N) - 1
+  index_N = jnp.where(retire_N, (table.clock + order_N) % size, size)
+  stamp_N = table.clock + order_N
+  return FinishedTable(
+      rows_FxL=table.rows_FxL.at[index_N].set(rows_NxL, mode="drop"),
+      keys_F=table.keys_F.at[index_N].set(keys_N, mode="drop"),
+      stamps_F=table.stamps_F.at[index_N].set(stamp_N, mode="drop"),
+      clock=table.clock + jnp.sum(retire_N, dtype=jnp.int32))
+
+
+def _newest(scores_NxR: Array, count: int) -> tuple[Array, Array]:
+  """Indices of the ``count`` highest non-negative scores per row, oldest of them
+  first (the matcher weights later positions higher), and their validity."""
+  top_NxK, index_NxK = jax.lax.top_k(scores_NxR, count)
+  return index_NxK[:, ::-1], top_NxK[:, ::-1] >= 0
+
+
+# ----------------------------------------------------------------- the drafter
+
+class History(Drafter):
+  """``sj.drafters.History(fallback=None, *, config=HistoryConfig(), **overrides)``.
+
+  Training-free drafting from earlier rollouts of the same prompt (see the module
+  docstring); ``History(fallback=sj.drafters.Eagle3(...))`` uses the learned drafter
+  where the history has no match of ``min_match`` tokens. Call
+  ``observe(prompts, output)`` after each ``generate`` to remember its rollouts; the
+  store (``.store``) is shared with the bound copies ``generate`` makes.
+  """
+
+  def __init__(self, fallback: Drafter | None = None, *, config: HistoryConfig | None = None,
+               store: HistoryStore | None = None, vocab_size: int | None = None,
+               **overrides):
+    if fallback is not None and not isinstance(fallback, Drafter):
+      raise TypeError(f"History.fallback must be an sj.drafters.Drafter or None, got "
+                      f"{type(fallback).__name__}.")
+    if isinstance(fallback, History):
+      raise ConfigError("History.fallback=History(...) is invalid: expected a learned or "
+                        "n-gram drafter (a history drafter already searches its history).")
+    config = config or HistoryConfig()
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(HistoryConfig)})
+    if unknown:
+      raise ConfigError(f"History got unknown option(s) {unknown}: expected fields of "
+                        "HistoryConfig.")
+    config = dataclasses.replace(config, **overrides)
+    if config.min_match is None:
+      config = dataclasses.replace(
+          config, min_match=1 if fallback is None else max(1, config.max_match // 2))
+    self.config = config
+    if store is not None and _layout(store.config) != _layout(self.config):
+      raise ConfigError(f"History.store holds rollouts laid out as {_layout(store.config)} "
+                        f"(max_prompts, rollouts_per_prompt, rollout_tokens, max_match); this "
+                        f"drafter needs {_layout(self.config)}.")
+    self.store = store or HistoryStore(self.config)
+    self.fallback = fallback
+    self.vocab_size = vocab_size
+    self.hidden_layers = fallback.hidden_layers if fallback is not None else ()
+
+  # The store is deliberately left out: its contents travel through params(), so one
+  # compiled program serves every epoch.
+  def __hash__(self):
+    return hash((History, self.config, self.vocab_size, self.fallback))
+
+  def __eq__(self, other):
+    return (isinstance(other, History) and other.config == self.config
+            and other.vocab_size == self.vocab_size and other.fallback == self.fallback)
+
+  # ----------------------------------------------------------------- host side
+
+  def observe(self, prompts: Sequence[Sequence[int]], output) -> None:
+    """Remembers the rollouts of a ``generate`` call (``output.tokens`` / ``lengths``)
+    for later calls on the same prompts."""
+    tokens, lengths = np.asarray(output.tokens), np.asarray(output.lengths)
+    if len(prompts) != tokens.shape[0]:
+      raise ValueError(f"observe got {len(prompts)} prompts but {tokens.shape[0]} rollouts.")
+    for prompt, row, length in zip(prompts, tokens, lengths):
+      self.store.add([int(t) for t in prompt], row[:int(length)].tolist())
+
+  def known_fraction(self, prompts: Sequence[Sequence[int]]) -> float:
+    """Fraction of the distinct prompts with earlier rollouts in the store. Sibling
+    matches alone rarely pay for a speculative round, so a caller may decode plainly
+    (or with the fallback alone) while this is low, e.g. in the first epoch."""
+    distinct = {tuple(int(t) for t in prompt) for prompt in prompts}
+    return sum(self.store.holds(p) for p in distinct) / max(len(distinct), 1)
+
+  def stats(self, state: HistoryState) -> dict[str, float]:
+    """Proposals and acceptance per source, from the final drafter state. Rounds are
+    slot-rounds, attributed to the source of the tree's root q."""
+    counters = {name: int(np.asarray(state.counters[name])) for name in COUNTERS}
+    result: dict[str, float] = dict(counters)
+    for source in ("history", "fallback"):
+      rounds = counters[f"{source}_rounds"]
+      result[f"{source}_acceptance_length"] = (
+          1.0 + counters[f"{source}_accepted"] / rounds if rounds else float("nan"))
+    total = sum(counters[f"{s}_rounds"] for s in ("history", "fallback", "silent"))
+    result["history_share"] = counters["history_rounds"] / total if total else float("nan")
+    return result
+
+  # ----------------------------------------------------------------- binding
+
+  def check_target(self, target_config) -> None:
+    if self.vocab_size is not None and self.vocab_size != target_config.vocab_size:
+      raise ConfigError(f"History vocab_size={self.vocab_size} does not match the target's "
+                        f"vocab_size={target_config.vocab_size}.")
+    if self.fallback is not None:
+      self.fallback.check_target(target_config)
+
+  def bind(self, target_config) -> "History":
+    self.check_target(target_config)
+    fallback = self.fallback.bind(target_config) if self.fallback is not None else None
+    return History(fallback, config=self.config, store=self.store,
+                   vocab_size=target_config.vocab_size)
+
+  def kv_layers(self):
+    return self.fallback.kv_layers() if self.fallback is not None else ()
+
+  def params(self):
+    return {"bank": self.store.device_arrays(),
+            "fallback": self.fallback.params() if self.fallback is not None else ()}
+
+  def init_state(self, num_slots: int) -> HistoryState:
+    c = self.config
+    size, length = c.finished_rollouts, c.rollout_tokens
+    zeros_N = jnp.zeros((num_slots,), jnp.int32)
+    return HistoryState(
+        request_N=zeros_N - 1, keys_N=jnp.zeros((num_slots,), jnp.uint32),
+        rows_NxL=jnp.full((num_slots, length), -1, jnp.int32), root_source_N=zeros_N,
+        finished=FinishedTable(rows_FxL=jnp.full((size, length), -1, jnp.int32),
+                               keys_F=jnp.zeros((size,), jnp.uint32),
+                               stamps_F=jnp.full((size,), -1, jnp.int32), clock=jnp.int32(0)),
+        counters={name: jnp.int32(0) for name in COUNTERS},
+        fallback=self.fallback.init_state(num_slots) if self.fallback is not None else ())
+
+  def prefill(self, params, state, kv, tokens_UxT, lengths_U, target_output):
+    if self.fallback is None:
+      return state, kv
+    fallback_state, kv = self.fallback.prefill(params["fallback"], state.fallback, kv,
+                                               tokens_UxT, lengths_U, target_output)
+    return state.replace(fallback=fallback_state), kv
+
+  def on_admit(self, params, state, admit_N, prompt_lengths_N):
+    if self.fallback is None:
+      return state
+    return state.replace(fallback=self.fallback.on_admit(params["fallback"], state.fallback,
+                                                         admit_N, prompt_lengths_N))
+
+  # ----------------------------------------------------------------- matching
+
+  def _sources(self, bank, finished: FinishedTable, inputs: RoundInputs, keys_N: Array,
+               request_N: Array) -> Array:
+    """int32 [N, M]: everything each slot searches, oldest first (later positions weigh
+    more), rollouts separated by -1."""
+    c = self.config
+    num_slots = keys_N.shape[0]
+    segments = []
+
+    hit_NxP = bank["valid_P"][None, :] & (bank["keys_P"][None, :] == keys_N[:, None])
+    bank_NxGxL = bank["tokens_PxGxL"][jnp.argmax(hit_NxP, axis=1)]
+    segments.append(jnp.where(jnp.any(hit_NxP, axis=1)[:, None],
+                              bank_NxGxL.reshape(num_slots, -1), -1))
+
+    count = min(c.siblings, c.finished_rollouts)
+    if count:
+      same_NxF = (finished.stamps_F[None, :] >= 0) & (finished.keys_F[None, :] == keys_N[:, None])
+      index_NxK, valid_NxK = _newest(jnp.where(same_NxF, finished.stamps_F[None, :], -1), count)
+      rows_NxKxL = jnp.where(valid_NxK[..., None], finished.rows_FxL[index_NxK], -1)
+      segments.append(rows_NxKxL.reshape(num_slots, -1))
+
+    count = min(c.siblings, num_slots - 1)
+    if count:
+      # Slot rows keep a finished sibling's rollout until the slot takes a new request.
+      live_N = inputs.prompt_lengths_N > 0
+      same_NxN = ((keys_N[None, :] == keys_N[:, None]) & live_N[None, :]
+                  & ~jnp.eye(num_slots, dtype=bool))
+      index_NxK, valid_NxK = _newest(jnp.where(same_NxN, request_N[None, :], -1), count)
+      rows_NxL = rollout_rows(inputs.history_NxC, inputs.prompt_lengths_N, c)
+      segments.append(jnp.where(valid_NxK[..., None], rows_NxL[index_NxK], -1)
+                      .reshape(num_slots, -1))
+
+    segments.append(inputs.history_NxC)
+    return jnp.concatenate(segments, axis=1)
+
+  def _tail(self, inputs: RoundInputs) -> Array:
+    """The last max_match tokens of each slot's sequence [N, n] (-1 before its start)."""
+    n = self.config.max_match
+    offsets_Nxn = inputs.cache_lengths_N[:, None] + 1 - n + jnp.arange(n)[None, :]
+    context = inputs.history_NxC.shape[1]
+    tail_Nxn = jnp.take_along_axis(inputs.history_NxC, jnp.clip(offsets_Nxn, 0, context - 1),
+                                   axis=1)
+    return jnp.where(offsets_Nxn >= 0, tail_Nxn, -1)
+
+  def _history_log_q(self, sources_NxM: Array, run_NxWxM: Array) -> Array:
+    return continuations_log_probs(sources_NxM, run_NxWxM, self.vocab_size,
+                                   self.config.min_match)
+
+  # ----------------------------------------------------------------- the round
+
+  def start(self, params, state: HistoryState, kv, inputs, sampling, max_pending):
+    request_N = inputs.slot_request_N
+    # A slot that took a new request has overwritten its row: keep the old rollout.
+    retire_N = (state.request_N >= 0) & (request_N >= 0) & (request_N != state.request_N)
+    finished = _retire(state.finished, retire_N, state.keys_N, state.rows_NxL)
+    keys_N = prompt_keys(inputs.history_NxC, inputs.prompt_lengths_N)
+    request_N = jnp.where(request_N >= 0, request_N, state.request_N)
+
+    sources_NxM = self._sources(params["bank"], finished, inputs, keys_N, request_N)
+    run_Nx1xM = suffix_runs(sources_NxM, self._tail(inputs)[:, None], self.config.max_match)
+    log_q_NxV = self._history_log_q(sources_NxM, run_Nx1xM)[:, 0]
+    from_history_N = jnp.any(log_q_NxV > -jnp.inf, axis=-1)
+
+    fallback_state, fallback_scratch = state.fallback, ()
+    if self.fallback is not None:
+      fallback_log_q_NxV, fallback_state, kv, fallback_scratch = self.fallback.start(
+          params["fallback"], state.fallback, kv, inputs, sampling, max_pending)
+      log_q_NxV = jnp.where(from_history_N[:, None], log_q_NxV, fallback_log_q_NxV)
+      otherwise = SOURCE_FALLBACK
+    else:
+      otherwise = SOURCE_NONE
+    source_N = jnp.where(from_history_N, SOURCE_HISTORY, otherwise)
+    state = state.replace(request_N=request_N, keys_N=keys_N, finished=finished,
+                          root_source_N=source_N, fallback=fallback_state)
+    # Deeper levels extend the root's runs by their tokens (see ``extend_runs``).
+    return log_q_NxV, state, kv, (sources_NxM, run_Nx1xM, fallback_scratch)
+
+  def extend(self, params, state: HistoryState, kv, scratch, inputs, sampling, depth,
+             tokens_NxW, paths_NxWxD, mask_WxE):
+    sources_NxM, parent_runs_NxPxM, fallback_scratch = scratch
+    run_NxWxM = extend_runs(sources_NxM, parent_runs_NxPxM, tokens_NxW, self.config.max_match)
+    log_q_NxWxV = self._history_log_q(sources_NxM, run_NxWxM)
+    if self.fallback is not None:
+      fallback_log_q_NxWxV, fallback_scratch = self.fallback.extend(
+          params["fallback"], state.fallback, kv, fallback_scratch, inputs, sampling, depth,
+          tokens_NxW, paths_NxWxD, mask_WxE)
+      from_history_NxW = jnp.any(log_q_NxWxV > -jnp.inf, axis=-1)
+      log_q_NxWxV = jnp.where(from_history_NxW[..., None], log_q_NxWxV, fallback_log_q_NxWxV)
+    return log_q_NxWxV, (sources_NxM, run_NxWxM, fallback_scratch)
+
+  def finish(self, params, state: HistoryState, kv, inputs, verdict, target_output):
+    if self.fallback is not None:
+      fallback_state, kv = self.fallback.finish(params["fallback"], state.fallback, kv,
+                                                inputs, verdict, target_output)
+      state = state.replace(fallback=fallback_state)
+    active_N = inputs.active_N
+    accepted_N = jnp.where(active_N, verdict.num_accepted_N, 0)
+    counters = dict(state.counters)
+    for name, source in (("history", SOURCE_HISTORY), ("fallback", SOURCE_FALLBACK),
+                         ("silent", SOURCE_NONE)):
+      used_N = active_N & (state.root_source_N == source)
+      counters[f"{name}_rounds"] += jnp.sum(used_N, dtype=jnp.int32)
+      if name != "silent":
+        counters[f"{name}_accepted"] += jnp.sum(jnp.where(used_N, accepted_N, 0), dtype=jnp.int32)
+
+    # Each slot's rollout so far, this round's tokens included (tokens past a stop or
+    # the budget may follow; nothing is ever drafted after them), kept for the start of
+    # the round that finds the slot's row overwritten by a new request.
+    num_emitted = verdict.tokens_NxE.shape[1]
+    rows_NxL = rollout_rows(inputs.history_NxC, inputs.prompt_lengths_N, self.config)
+    first_N = jnp.maximum(inputs.prompt_lengths_N - self.config.max_match, 0)
+    columns_NxE = (inputs.cache_lengths_N + 1 - first_N)[:, None] + jnp.arange(num_emitted)
+    write_NxE = ((jnp.arange(num_emitted)[None, :] <= accepted_N[:, None]) & active_N[:, None]
+                 & (columns_NxE < self.config.rollout_tokens - 1))
+    rows_NxL = rows_NxL.at[jnp.arange(rows_NxL.shape[0])[:, None],
+                           jnp.where(write_NxE, columns_NxE, self.config.rollout_tokens)].set(
+                               verdict.tokens_NxE, mode="drop")
+    return state.replace(rows_NxL=rows_NxL, counters=counters), kv
