@@ -17,6 +17,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams
 
@@ -38,6 +39,22 @@ class RoundInputs:
   active_N: Array
   prompt_lengths_N: Array
   slot_request_N: Array
+
+
+def pending_tokens(inputs: RoundInputs, cached_N: Array, max_pending: int):
+  """The tokens a drafter with its own cache has not fed yet: positions cached_N[n] ..
+  cache_lengths_N[n] (the accepted drafts and the last token), padded to max_pending.
+
+  Returns (tokens_NxP, positions_NxP, valid_NxP, pending_N); invalid entries hold 0.
+  """
+  pending_N = jnp.where(inputs.active_N, inputs.cache_lengths_N - cached_N + 1, 0)
+  index_P = jnp.arange(max_pending, dtype=jnp.int32)
+  positions_NxP = cached_N[:, None] + index_P[None, :]
+  valid_NxP = index_P[None, :] < pending_N[:, None]
+  context = inputs.history_NxC.shape[1]
+  tokens_NxP = jnp.take_along_axis(inputs.history_NxC,
+                                   jnp.clip(positions_NxP, 0, context - 1), axis=1)
+  return jnp.where(valid_NxP, tokens_NxP, 0), positions_NxP, valid_NxP, pending_N
 
 
 class Drafter(abc.ABC):

@@ -10,7 +10,7 @@ from specrl_jax.config import ConfigError, ModelConfig
 from specrl_jax.kv.paged import LayerOffset
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.warp import proposal_log_probs
-from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.drafters.base import Drafter, pending_tokens
 
 Array = jax.Array
 
@@ -68,14 +68,9 @@ class DraftModel(Drafter):
 
   def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
     cached_N = state["cache_lengths_N"]
-    pending_N = jnp.where(inputs.active_N, inputs.cache_lengths_N - cached_N + 1, 0)
+    tokens_NxP, positions_NxP, valid_NxP, pending_N = pending_tokens(inputs, cached_N,
+                                                                     max_pending)
     index_P = jnp.arange(max_pending, dtype=jnp.int32)
-    positions_NxP = cached_N[:, None] + index_P[None, :]
-    valid_NxP = index_P[None, :] < pending_N[:, None]
-    context = inputs.history_NxC.shape[1]
-    tokens_NxP = jnp.take_along_axis(inputs.history_NxC,
-                                     jnp.clip(positions_NxP, 0, context - 1), axis=1)
-    tokens_NxP = jnp.where(valid_NxP, tokens_NxP, 0)
     causal_PxP = index_P[:, None] >= index_P[None, :]
     step_kv = kv.replace(inner=kv.inner.replace(
         prefix_lengths_B=cached_N,
