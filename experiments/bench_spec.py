@@ -1,11 +1,15 @@
 """Speculative vs plain decoding on a predictable target/draft pair, side by side.
 
-Target: a 4-layer model SFT'd on the arithmetic task; drafters: a 2-layer draft model
-distilled from it, and the training-free n-gram drafter. Temperature 1, EOS stops.
-For batch 1 / 8 / 32: chains k = 1..7 and static trees, acceptance length and
-tokens/s against plain decoding timed in the same run (interleaved, best of N).
+Target: a model SFT'd on the arithmetic task (experiments/spec_pair.py; --size small is
+4 x 384, medium 6 x 768); drafters: a 1-layer draft model distilled from it, and the
+training-free n-gram drafter. Temperature 1, EOS stops. For batch 1 / 8 / 32: chains
+k = 1..7, static trees and adaptive k, acceptance length and tokens/s against plain
+decoding timed in the same run (interleaved, best of N). Also the cost breakdown a
+round is made of, timed on the same weights: one target forward over 1 and k + 1
+tokens per sequence (verification) and one drafter step.
 
-  python experiments/bench_spec.py [--batches 1 8 32] [--ks 1 2 3 4 5 6 7] [--repeats 3]
+  python experiments/bench_spec.py [--size small|medium] [--batches 1 8 32]
+      [--ks 1 2 3 4 5 6 7] [--repeats 3] [--no-trees] [--no-ngram] [--no-adaptive]
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -23,6 +29,7 @@ import spec_pair  # noqa: E402
 
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
+from specrl_jax.speculative.adaptive import DraftLengthController  # noqa: E402
 
 TREES = ((2, 1, 1), (2, 2, 1), (3, 2, 1, 1))
 
@@ -41,9 +48,11 @@ def main(argv=None) -> int:
   parser.add_argument("--temperature", type=float, default=1.0)
   parser.add_argument("--no-trees", action="store_true")
   parser.add_argument("--no-ngram", action="store_true")
+  parser.add_argument("--no-adaptive", action="store_true")
+  parser.add_argument("--size", choices=sorted(spec_pair.SIZES), default="small")
   args = parser.parse_args(argv)
 
-  target, draft = spec_pair.load_or_train()
+  target, draft = spec_pair.load_or_train(size=args.size)
   sampling = sj.SamplingParams(temperature=args.temperature,
                                max_new_tokens=spec_pair.TASK.max_response_tokens,
                                stop_token_ids=(tokenizer.EOS_ID,))
@@ -53,8 +62,11 @@ def main(argv=None) -> int:
   specs = {f"chain_k{k}": sj.SpecConfig(num_draft_tokens=k) for k in args.ks}
   if not args.no_trees:
     specs.update({f"tree_{'x'.join(map(str, t))}": sj.SpecConfig(tree=t) for t in TREES})
+  if not args.no_adaptive:
+    specs[f"adaptive_k<={max(args.ks)}"] = sj.SpecConfig(num_draft_tokens=max(args.ks),
+                                                         adaptive=True)
 
-  rows = []
+  rows, breakdowns = [], []
   for batch in args.batches:
     prompts = make_prompts(batch, seed=batch)
     engine = sj.EngineConfig(num_slots=batch)
@@ -62,6 +74,11 @@ def main(argv=None) -> int:
     for drafter_name, drafter in drafters.items():
       for spec_name, spec in specs.items():
         configs[f"{drafter_name}/{spec_name}"] = dict(drafter=drafter, spec=spec)
+        if spec.adaptive:
+          # One controller across the calls, as an RL run passes one to every step's
+          # rollouts: what it measured while warming up carries over.
+          configs[f"{drafter_name}/{spec_name}"]["controller"] = DraftLengthController(
+              k_max=spec.num_draft_tokens)
     outputs = {}
 
     def runner(name, kwargs):
@@ -72,7 +89,8 @@ def main(argv=None) -> int:
 
     runs = {name: runner(name, kwargs) for name, kwargs in configs.items()}
     for run in runs.values():
-      run()  # compile
+      run()  # compile (the adaptive engine compiles the lengths it picks)
+      run()
     seconds = common.interleaved(runs, args.repeats)
     tokens = {name: int(out.lengths.sum()) for name, out in outputs.items()}
     plain_rate = tokens["plain"] / seconds["plain"]
@@ -84,16 +102,49 @@ def main(argv=None) -> int:
              "acceptance_length": round(out.stats["acceptance_length"], 3),
              "per_position_acceptance": [round(a, 3) for a in out.stats["per_position_acceptance"]],
              "target_calls": out.stats["target_calls"], "generated_tokens": tokens[name]}
+      if "draft_length_schedule" in out.stats:
+        row["draft_length_rounds"] = _rounds_by_length(out.stats["draft_length_schedule"])
       rows.append(row)
       print(row, file=sys.stderr)
+    breakdowns.append(round_cost_breakdown(target, draft, batch, max(args.ks)))
+    print(breakdowns[-1], file=sys.stderr)
   violations = [r for r in rows if r["batch"] in (1, 8) and r["acceptance_length"] >= 2.5
                 and r["speedup_vs_plain"] < 1.0]
+  config = target.config
   common.print_json({
-      "benchmark": "bench_spec", "target": "spec_pair/target (4x384, SFT arithmetic)",
-      "temperature": args.temperature, "results": rows,
+      "benchmark": "bench_spec", "size": args.size,
+      "target": (f"spec_pair {args.size}: {config.num_layers} x {config.hidden_size}, "
+                 f"{config.num_params() / 1e6:.1f}M parameters, SFT arithmetic"),
+      "temperature": args.temperature, "results": rows, "round_cost_breakdown": breakdowns,
       "slower_than_plain_despite_acceptance_2_5_at_batch_1_or_8": [
           (r["batch"], r["config"]) for r in violations]})
   return 0
+
+
+def _rounds_by_length(schedule) -> dict[int, int]:
+  rounds: dict[int, int] = {}
+  for k, count in schedule:
+    rounds[k] = rounds.get(k, 0) + count
+  return dict(sorted(rounds.items()))
+
+
+def round_cost_breakdown(target, draft, batch: int, k: int, repeats: int = 20) -> dict:
+  """Milliseconds of the pieces of a round on these weights (dense forwards, no cache):
+  the target over 1 token (a plain step) and over k + 1 (verification), one drafter
+  step. Verification / plain is what speculation must beat with accepted tokens."""
+  def forward_ms(model, length):
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).forward(t).logits)
+    tokens = jnp.ones((batch, length), jnp.int32)
+    return 1e3 * common.best_of(
+        lambda: jax.block_until_ready(forward(params, tokens)), repeats)
+
+  plain, verify = forward_ms(target, 1), forward_ms(target, k + 1)
+  drafter = forward_ms(draft, 1)
+  return {"batch": batch, "k": k, "target_1_token_ms": round(plain, 3),
+          f"target_{k + 1}_tokens_ms": round(verify, 3),
+          "verify_over_plain": round(verify / plain, 2), "drafter_step_ms": round(drafter, 3),
+          f"drafter_{k}_steps_over_plain": round(k * drafter / plain, 2)}
 
 
 if __name__ == "__main__":

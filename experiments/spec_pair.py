@@ -1,11 +1,16 @@
-"""A predictable target/draft pair for speculative benchmarks, trained and cached.
+"""Predictable target/draft pairs for speculative benchmarks, trained and cached.
 
-The target is SFT'd on the arithmetic task (worked column sums), so its samples at
-temperature 1 are structured; the draft model is distilled from the target's
-distributions. Both are saved in Hugging Face format under artifacts/spec_pair/ and
-reused by later runs.
+Each target is SFT'd on the arithmetic task (worked column sums), so its samples at
+temperature 1 are structured; its draft model is distilled from the target's
+distributions. Both are saved in Hugging Face format under artifacts/spec_pair[_SIZE]/
+and reused by later runs.
 
-  python experiments/spec_pair.py [--force]
+Sizes: "small" (4 x 384, ~7M parameters: a decode step is dominated by per-op
+overhead, as for any tiny model) and "medium" (6 x 768, ~38M parameters: a decode step
+reads ~150 MB of weights, so like a real policy it is memory-bound and verifying a few
+tokens costs little more than decoding one).
+
+  python experiments/spec_pair.py [--size small|medium] [--force]
 """
 
 from __future__ import annotations
@@ -34,24 +39,38 @@ TARGET = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=384,
 DRAFT = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=96,
                        intermediate_size=256, num_layers=1, num_heads=3, num_kv_heads=1,
                        head_dim=32)
+MEDIUM_TARGET = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=768,
+                               intermediate_size=2048, num_layers=6, num_heads=12,
+                               num_kv_heads=4, head_dim=64)
+# name: (target config, draft config, target SFT learning rate)
+SIZES = {"small": (TARGET, DRAFT, 1e-3), "medium": (MEDIUM_TARGET, DRAFT, 5e-4)}
 
 
-def load_or_train(force: bool = False, target_steps: int = 200, draft_steps: int = 150):
+def folder(size: str) -> Path:
+  return FOLDER if size == "small" else FOLDER.with_name(f"spec_pair_{size}")
+
+
+def load_or_train(force: bool = False, target_steps: int = 200, draft_steps: int = 150,
+                  size: str = "small"):
   """(target, draft) Transformers; trains and caches them when missing."""
-  target_dir, draft_dir = FOLDER / "target", FOLDER / "draft"
+  if size not in SIZES:
+    raise ValueError(f"size={size!r}: expected one of {sorted(SIZES)}.")
+  target_config, draft_config, learning_rate = SIZES[size]
+  pair_dir = folder(size)
+  target_dir, draft_dir = pair_dir / "target", pair_dir / "draft"
   if not force and (target_dir / "config.json").exists() and (draft_dir / "config.json").exists():
     return sj.load_hf(target_dir), sj.load_hf(draft_dir)
   start = time.perf_counter()
-  target, target_losses = train_sft(sj.Transformer(TARGET, rngs=nnx.Rngs(0)), TASK,
+  target, target_losses = train_sft(sj.Transformer(target_config, rngs=nnx.Rngs(0)), TASK,
                                     SFTConfig(steps=target_steps, batch_size=32,
-                                              learning_rate=1e-3), log_every=50)
-  draft, draft_losses = train_sft(sj.Transformer(DRAFT, rngs=nnx.Rngs(1)), TASK,
+                                              learning_rate=learning_rate), log_every=10)
+  draft, draft_losses = train_sft(sj.Transformer(draft_config, rngs=nnx.Rngs(1)), TASK,
                                   SFTConfig(steps=draft_steps, batch_size=32,
                                             learning_rate=3e-3, seed=1),
                                   teacher=target, log_every=50)
   sj.save_hf(target, target_dir, tokenizer=tokenizer.builtin_tokenizer())
   sj.save_hf(draft, draft_dir, tokenizer=tokenizer.builtin_tokenizer())
-  (FOLDER / "training.json").write_text(json.dumps({
+  (pair_dir / "training.json").write_text(json.dumps({
       "seconds": time.perf_counter() - start, "target_final_loss": target_losses[-1],
       "draft_final_loss": draft_losses[-1], "target_steps": target_steps,
       "draft_steps": draft_steps}, indent=2))
@@ -61,9 +80,10 @@ def load_or_train(force: bool = False, target_steps: int = 200, draft_steps: int
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--force", action="store_true", help="retrain even when cached")
+  parser.add_argument("--size", choices=sorted(SIZES), default="small")
   args = parser.parse_args(argv)
-  load_or_train(force=args.force)
-  print((FOLDER / "training.json").read_text())
+  load_or_train(force=args.force, size=args.size)
+  print((folder(args.size) / "training.json").read_text())
   return 0
 
 

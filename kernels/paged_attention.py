@@ -19,9 +19,8 @@ Kernel layout (flash-decoding with an online softmax):
 Compiled, this is a TPU (Mosaic) kernel: scalar prefetch and a reduction over a
 sequential grid axis have no counterpart in the Triton backend, so ``paged_attention``
 uses the reference elsewhere. On CPU it runs with ``interpret=True`` (the tests).
-It has not been compiled on a TPU yet: the pool layout [P, S, KV, D] makes a page
-block's squeezed KV axis the second-minor one, which Mosaic's tiling rules may reject
-for KV > 1; a [KV, P, S, D] pool (as in jax's TPU paged attention) would avoid that.
+It has not been compiled on a TPU yet. The pool layout [P, KV, S, D] keeps a page
+block's two minor axes (page_size, head_dim) whole, as Mosaic's tiling wants.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ Array = jax.Array
 _TARGET_KEYS_PER_BLOCK = 128
 
 
-def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxSxKxD: Array,
-                           v_pages_PxSxKxD: Array, page_table_BxM: Array,
+def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
+                           v_pages_PxKxSxD: Array, page_table_BxM: Array,
                            prefix_lengths_B: Array, k_new_BxTxKxD: Array,
                            v_new_BxTxKxD: Array, new_mask_BxTxT: Array, *,
                            interpret: bool = False,
@@ -58,9 +57,9 @@ def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxSxKxD: Array,
   ``pages_per_block``: pages handled per grid step (None: about 128 keys' worth).
   """
   batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
-  _, page_size, num_kv_heads, _ = k_pages_PxSxKxD.shape
+  _, num_kv_heads, page_size, _ = k_pages_PxKxSxD.shape
   max_pages = page_table_BxM.shape[1]
-  _check_shapes(q_BxTxHxD, k_pages_PxSxKxD, v_pages_PxSxKxD, page_table_BxM,
+  _check_shapes(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
                 prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT)
   if pages_per_block is None:
     pages_per_block = min(max_pages, max(1, _TARGET_KEYS_PER_BLOCK // page_size))
@@ -73,8 +72,8 @@ def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxSxKxD: Array,
   # Rows of one KV head ordered (token, group) so the mask expands by repetition.
   q_BxKxRxD = (q_BxTxHxD.reshape(batch, q_len, num_kv_heads, groups, head_dim)
                .transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim))
-  k_new_BxKxTxD = k_new_BxTxKxD.astype(k_pages_PxSxKxD.dtype).transpose(0, 2, 1, 3)
-  v_new_BxKxTxD = v_new_BxTxKxD.astype(v_pages_PxSxKxD.dtype).transpose(0, 2, 1, 3)
+  k_new_BxKxTxD = k_new_BxTxKxD.astype(k_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
+  v_new_BxKxTxD = v_new_BxTxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
   # Booleans are not a supported memory type on every backend; int32 is.
   new_mask_BxTxT = new_mask_BxTxT.astype(jnp.int32)
 
@@ -85,10 +84,10 @@ def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxSxKxD: Array,
       last_used = jnp.maximum(pl.cdiv(prefix_lengths_ref[b], page_size) - 1, 0)
       slot = jnp.minimum(jnp.minimum(block * pages_per_block + slot_in_block, last_used),
                          max_pages - 1)
-      return page_table_ref[b, slot], 0, kv_head, 0
+      return page_table_ref[b, slot], kv_head, 0, 0
     return index_map
 
-  page_specs = [pl.BlockSpec((None, page_size, None, head_dim), page_index_map(i))
+  page_specs = [pl.BlockSpec((None, None, page_size, head_dim), page_index_map(i))
                 for i in range(pages_per_block)]
   per_head = lambda b, kv_head, block, *_: (b, kv_head, 0, 0)
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -115,7 +114,7 @@ def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxSxKxD: Array,
       interpret=interpret,
   )(page_table_BxM.astype(jnp.int32), prefix_lengths_B.astype(jnp.int32), q_BxKxRxD,
     k_new_BxKxTxD, v_new_BxKxTxD, new_mask_BxTxT,
-    *([k_pages_PxSxKxD] * pages_per_block), *([v_pages_PxSxKxD] * pages_per_block))
+    *([k_pages_PxKxSxD] * pages_per_block), *([v_pages_PxKxSxD] * pages_per_block))
   return (out_BxKxRxD.reshape(batch, num_kv_heads, q_len, groups, head_dim)
           .transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim))
 
@@ -180,14 +179,14 @@ class _OnlineSoftmax:
     self.max_ref[...] = max_new
 
 
-def _check_shapes(q_BxTxHxD, k_pages_PxSxKxD, v_pages_PxSxKxD, page_table_BxM,
+def _check_shapes(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
                   prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT) -> None:
   batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
-  num_pages, page_size, num_kv_heads, _ = k_pages_PxSxKxD.shape
+  num_pages, num_kv_heads, page_size, _ = k_pages_PxKxSxD.shape
   new_shape = (batch, q_len, num_kv_heads, head_dim)
   expected = (
-      ("k_pages_PxSxKxD", k_pages_PxSxKxD.shape, (num_pages, page_size, num_kv_heads, head_dim)),
-      ("v_pages_PxSxKxD", v_pages_PxSxKxD.shape, k_pages_PxSxKxD.shape),
+      ("k_pages_PxKxSxD", k_pages_PxKxSxD.shape, (num_pages, num_kv_heads, page_size, head_dim)),
+      ("v_pages_PxKxSxD", v_pages_PxKxSxD.shape, k_pages_PxKxSxD.shape),
       ("page_table_BxM", page_table_BxM.shape, (batch, page_table_BxM.shape[-1])),
       ("prefix_lengths_B", prefix_lengths_B.shape, (batch,)),
       ("k_new_BxTxKxD", k_new_BxTxKxD.shape, new_shape),
@@ -197,8 +196,8 @@ def _check_shapes(q_BxTxHxD, k_pages_PxSxKxD, v_pages_PxSxKxD, page_table_BxM,
   for name, got, want in expected:
     if tuple(got) != tuple(want):
       raise ValueError(f"paged attention: {name} has shape {tuple(got)}, expected {tuple(want)} "
-                       f"from q_BxTxHxD {q_BxTxHxD.shape} and k_pages_PxSxKxD "
-                       f"{k_pages_PxSxKxD.shape}.")
+                       f"from q_BxTxHxD {q_BxTxHxD.shape} and k_pages_PxKxSxD "
+                       f"{k_pages_PxKxSxD.shape}.")
   if num_heads % num_kv_heads:
     raise ValueError(f"paged attention: {num_heads} query heads are not a multiple of "
                      f"{num_kv_heads} KV heads.")
@@ -215,7 +214,7 @@ def default_implementation() -> str:
   return "pallas" if jax.default_backend() == "tpu" else "reference"
 
 
-def paged_attention(q_BxTxHxD: Array, k_pages_PxSxKxD: Array, v_pages_PxSxKxD: Array,
+def paged_attention(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSxD: Array,
                     page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxTxKxD: Array,
                     v_new_BxTxKxD: Array, new_mask_BxTxT: Array, *,
                     implementation: str | None = None) -> Array:
@@ -230,5 +229,5 @@ def paged_attention(q_BxTxHxD: Array, k_pages_PxSxKxD: Array, v_pages_PxSxKxD: A
   if implementation == "pallas":
     attention_fn = functools.partial(attention_fn,
                                      interpret=jax.default_backend() != "tpu")
-  return attention_fn(q_BxTxHxD, k_pages_PxSxKxD, v_pages_PxSxKxD, page_table_BxM,
+  return attention_fn(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
                       prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT)

@@ -141,11 +141,17 @@ class SpecConfig:
   children per node at each depth, e.g. (3, 2, 1) = 3 + 6 + 6 draft nodes.
   draft_mode "sample" draws drafts from the drafter's distribution q; "greedy" takes
   its top tokens (a point mass / top-b distinct children).
+  adaptive: choose the chain length per batch of ``rounds_per_decision`` rounds, from 0
+    (plain decoding; the drafter only keeps up) to ``num_draft_tokens``, by the
+    acceptance and round times measured so far (``sj.speculative.adaptive``). Every
+    round stays lossless whatever length is chosen.
   """
 
   num_draft_tokens: int = 3
   tree: tuple[int, ...] | None = None
   draft_mode: str = "sample"
+  adaptive: bool = False
+  rounds_per_decision: int = 8
 
   def __post_init__(self):
     owner = "SpecConfig"
@@ -158,6 +164,11 @@ class SpecConfig:
             "None or a non-empty tuple of positive children counts per depth, e.g. (3, 2, 1)")
     check(self.draft_mode in ("sample", "greedy"), owner, "draft_mode", self.draft_mode,
           "'sample' or 'greedy'")
+    check(isinstance(self.adaptive, bool), owner, "adaptive", self.adaptive, "True or False")
+    check(not (self.adaptive and self.tree is not None), owner, "tree", self.tree,
+          "None when adaptive=True (adaptive speculation chooses a chain length; a static "
+          "tree has none to choose)")
+    _positive_int(owner, "rounds_per_decision", self.rounds_per_decision)
 
   @property
   def depth(self) -> int:

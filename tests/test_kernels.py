@@ -53,8 +53,8 @@ def make_inputs(*, prefix_lengths, mask_TxT, num_kv_heads, groups, dtype=jnp.flo
   batch, q_len = len(prefix_lengths), mask_TxT.shape[0]
   rng = np.random.default_rng(seed)
   normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
-  k_pages = normal(NUM_PAGES, PAGE_SIZE, num_kv_heads, HEAD_DIM)
-  v_pages = normal(NUM_PAGES, PAGE_SIZE, num_kv_heads, HEAD_DIM)
+  k_pages = normal(NUM_PAGES, num_kv_heads, PAGE_SIZE, HEAD_DIM)
+  v_pages = normal(NUM_PAGES, num_kv_heads, PAGE_SIZE, HEAD_DIM)
   k_pages[TRASH_PAGE] = 50.0
   v_pages[TRASH_PAGE] = 1e4
   return (jnp.asarray(normal(batch, q_len, num_kv_heads * groups, HEAD_DIM), dtype),
@@ -117,7 +117,7 @@ def test_stale_keys_past_the_prefix_are_never_seen():
   before = pallas_interpret(*args)
   # Overwrite every position no sequence may see (page 10 holds row 0's positions 8..11,
   # row 0 sees 6; row 2 sees nothing of its pages).
-  stale_v = v_pages.at[10].set(-7.0).at[3, 2:].set(-7.0).at[jnp.array([2, 11, 4, 9])].set(-7.0)
+  stale_v = v_pages.at[10].set(-7.0).at[3, :, 2:].set(-7.0).at[jnp.array([2, 11, 4, 9])].set(-7.0)
   after = pallas_interpret(q, k_pages, stale_v, page_table, prefix_lengths, *args[5:])
   chex.assert_trees_all_close(after, before, atol=1e-6)
 

@@ -8,7 +8,7 @@ import pytest
 
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import (PagedKV, gather_prefix, paged_attention_reference,
-                                 write_pages)
+                                 read_pages, write_pages)
 from specrl_jax.kv.pool import TRASH_PAGE
 from specrl_jax.models.attention import grouped_attention
 
@@ -151,9 +151,9 @@ def test_random_allocate_share_release_sequences_keep_the_pool_consistent():
 # --- page writes and gathers -------------------------------------------------------
 
 def numbered_pages(num_pages: int, page_size: int) -> jax.Array:
-  """pages[p, s] = 100 * p + s in every (head, dim) entry: easy to read back."""
+  """pages[p, :, s] = 100 * p + s in every (head, dim) entry: easy to read back."""
   ids = 100 * jnp.arange(num_pages)[:, None] + jnp.arange(page_size)[None, :]
-  return jnp.broadcast_to(ids[:, :, None, None], (num_pages, page_size, 2, 3)).astype(jnp.float32)
+  return jnp.broadcast_to(ids[:, None, :, None], (num_pages, 2, page_size, 3)).astype(jnp.float32)
 
 
 def test_gather_prefix_lays_pages_end_to_end_in_table_order():
@@ -168,12 +168,12 @@ def test_gather_prefix_lays_pages_end_to_end_in_table_order():
 
 
 def test_write_pages_scatters_by_position_and_sends_negative_positions_to_trash():
-  pages = jnp.zeros((5, 4, 2, 3))
+  pages = jnp.zeros((5, 2, 4, 3))  # [P, KV, S, D]
   table_BxM = jnp.array([[3, 1], [2, 4]])
   positions_BxT = jnp.array([[0, 5, -1], [7, -1, 2]])
   values = jnp.broadcast_to(jnp.array([[1., 2., 3.], [4., 5., 6.]])[:, :, None, None],
                             (2, 3, 2, 3))
-  written = np.asarray(write_pages(pages, table_BxM, positions_BxT, values))
+  written = np.asarray(write_pages(pages, table_BxM, positions_BxT, values)).transpose(0, 2, 1, 3)
   assert written[3, 0, 0, 0] == 1  # row 0, position 0 -> page 3 offset 0
   assert written[1, 1, 0, 0] == 2  # row 0, position 5 -> page 1 offset 1
   assert written[4, 3, 0, 0] == 4  # row 1, position 7 -> page 4 offset 3
@@ -194,6 +194,7 @@ def test_paged_attention_over_a_gathered_prefix_equals_dense_causal_attention():
   positions = jnp.arange(5)[None]
   k_pages = write_pages(jnp.zeros((5, 2, 2, 8)), table, positions, k[:, :5])
   v_pages = write_pages(jnp.zeros((5, 2, 2, 8)), table, positions, v[:, :5])
+  np.testing.assert_array_equal(read_pages(k_pages, table, positions), k[:, :5])
   causal = jnp.tril(jnp.ones((7, 7), bool))[None]
   out = paged_attention_reference(q[:, 5:], k_pages, v_pages, table, jnp.array([5]),
                                   k[:, 5:], v[:, 5:], causal[:, 5:, 5:])
@@ -204,7 +205,7 @@ def test_paged_attention_over_a_gathered_prefix_equals_dense_causal_attention():
 def test_commit_writes_only_the_chosen_stashed_tokens():
   # Three stashed new tokens; commit token 2 to position 1 and token 0 to position 0,
   # skip the rest: token 1 (a rejected draft) must never reach the pages.
-  zeros = jnp.zeros((4, 2, 1, 1))
+  zeros = jnp.zeros((4, 1, 2, 1))  # [P, KV, S, D]
   kv = PagedKV(k_pages=(zeros,), v_pages=(zeros,), page_table_BxM=jnp.array([[2, 3]]),
                prefix_lengths_B=jnp.array([0]), new_mask_BxTxT=jnp.ones((1, 3, 3), bool),
                write_positions_BxT=jnp.full((1, 3), -1), stash=True)
@@ -212,8 +213,8 @@ def test_commit_writes_only_the_chosen_stashed_tokens():
   _, kv = kv.attend(0, jnp.zeros((1, 3, 1, 1)), new, new + 1)
   committed = kv.commit(jnp.array([[0, 2, 1]]), jnp.array([[0, 1, -1]]))
   assert committed.new_k == () and committed.new_v == ()
-  k_pages = np.asarray(committed.k_pages[0])[..., 0, 0]
+  k_pages = np.asarray(committed.k_pages[0])[:, 0, :, 0]
   np.testing.assert_array_equal(k_pages[2], [10, 30])
   np.testing.assert_array_equal(k_pages[3], [0, 0])
   assert 20 not in k_pages[1:]
-  np.testing.assert_array_equal(np.asarray(committed.v_pages[0])[2, :, 0, 0], [11, 31])
+  np.testing.assert_array_equal(np.asarray(committed.v_pages[0])[2, 0, :, 0], [11, 31])

@@ -327,7 +327,11 @@ def test_malformed_spec_configs_name_the_field(fields, fragment):
 
 def test_a_malformed_topology_is_rejected():
   with pytest.raises(ConfigError, match=r"tree=\(\)"):
-    TreeTopology(())
+    SpecConfig(tree=())
+  with pytest.raises(ConfigError, match=r"tree=\(2, 0\)"):
+    TreeTopology((2, 0))
+  # The empty topology is the engine's own "draft nothing" round (adaptive speculation).
+  assert TreeTopology(()).depth == 0
 
 
 def test_spec_without_a_drafter_is_an_error(target):

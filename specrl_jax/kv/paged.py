@@ -17,49 +17,116 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.kv.pool import TRASH_PAGE
-from specrl_jax.models.attention import grouped_attention
+from specrl_jax.models.attention import MASK_VALUE
 
 Array = jax.Array
 
 
-def gather_prefix(pages_PxSxKxD: Array, page_table_BxM: Array) -> Array:
-  """All pages of each sequence laid end to end: [B, M * S, KV, D]."""
+def page_size_of(pages_PxKxSxD: Array) -> int:
+  return pages_PxKxSxD.shape[2]
+
+
+def gather_prefix(pages_PxKxSxD: Array, page_table_BxM: Array) -> Array:
+  """All pages of each sequence laid end to end: [B, M * S, KV, D] (tests, debugging)."""
   batch, max_pages = page_table_BxM.shape
-  _, page_size, heads, dim = pages_PxSxKxD.shape
-  return pages_PxSxKxD[page_table_BxM].reshape(batch, max_pages * page_size, heads, dim)
+  _, heads, page_size, dim = pages_PxKxSxD.shape
+  pages_BxMxKxSxD = pages_PxKxSxD[page_table_BxM]
+  return pages_BxMxKxSxD.transpose(0, 1, 3, 2, 4).reshape(batch, max_pages * page_size,
+                                                          heads, dim)
 
 
-def paged_attention_reference(q_BxTxHxD: Array, k_pages_PxSxKxD: Array,
-                              v_pages_PxSxKxD: Array, page_table_BxM: Array,
+def paged_attention_reference(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
+                              v_pages_PxKxSxD: Array, page_table_BxM: Array,
                               prefix_lengths_B: Array, k_new_BxTxKxD: Array,
                               v_new_BxTxKxD: Array, new_mask_BxTxT: Array) -> Array:
-  """Pure-JAX paged attention (gather, then dense masked attention). [B, T, H, D]."""
-  k_prefix = gather_prefix(k_pages_PxSxKxD, page_table_BxM)
-  v_prefix = gather_prefix(v_pages_PxSxKxD, page_table_BxM)
-  context = k_prefix.shape[1]
-  batch, q_len = q_BxTxHxD.shape[:2]
-  prefix_mask_BxC = jnp.arange(context)[None, :] < prefix_lengths_B[:, None]
-  mask_BxTxS = jnp.concatenate(
-      [jnp.broadcast_to(prefix_mask_BxC[:, None, :], (batch, q_len, context)),
-       new_mask_BxTxT.astype(bool)], axis=-1)
-  k_all = jnp.concatenate([k_prefix, k_new_BxTxKxD.astype(k_prefix.dtype)], axis=1)
-  v_all = jnp.concatenate([v_prefix, v_new_BxTxKxD.astype(v_prefix.dtype)], axis=1)
-  return grouped_attention(q_BxTxHxD, k_all, v_all, mask_BxTxS)
+  """Pure-JAX paged attention. [B, T, H, D]; a query row that sees no key gives zeros.
+
+  Scores are computed page by page against the gathered pages and against the new
+  tokens separately, then normalised by one softmax over both. The page dots batch over
+  (sequence x page, KV head) with the R = T * groups query rows of a head as the
+  matrix rows: the gathered [B * M, KV, S, D] pages are then already in the layout a
+  batched matmul reads, whereas a dense [B, context, KV, D] view (or concatenating the
+  new keys onto it) costs a relayout of every key and value per layer, which on CPU
+  took longer than the dots themselves.
+  """
+  batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
+  num_kv_heads, page_size = k_pages_PxKxSxD.shape[1], k_pages_PxKxSxD.shape[2]
+  max_pages = page_table_BxM.shape[1]
+  groups = num_heads // num_kv_heads
+  rows = q_len * groups
+  dtype = q_BxTxHxD.dtype
+  # Query rows of one KV head, ordered (group, token).
+  q_BxKxRxD = (q_BxTxHxD * head_dim ** -0.5).reshape(
+      batch, q_len, num_kv_heads, groups, head_dim).transpose(0, 2, 3, 1, 4).reshape(
+          batch, num_kv_heads, rows, head_dim)
+  pages_n = page_table_BxM.reshape(-1)
+  k_nxKxSxD = k_pages_PxKxSxD[pages_n].astype(dtype)
+  v_nxKxSxD = v_pages_PxKxSxD[pages_n]
+  q_nxKxRxD = jnp.broadcast_to(q_BxKxRxD[:, None], (batch, max_pages) + q_BxKxRxD.shape[1:]
+                               ).reshape((batch * max_pages,) + q_BxKxRxD.shape[1:])
+  prefix_BxMxKxRxS = jnp.einsum("nkrd,nksd->nkrs", q_nxKxRxD, k_nxKxSxD,
+                                preferred_element_type=jnp.float32).reshape(
+                                    batch, max_pages, num_kv_heads, rows, page_size)
+  position_MxS = jnp.arange(max_pages * page_size).reshape(max_pages, page_size)
+  visible_BxMxS = position_MxS[None] < prefix_lengths_B[:, None, None]
+  prefix_BxMxKxRxS = jnp.where(visible_BxMxS[:, :, None, None, :], prefix_BxMxKxRxS,
+                               MASK_VALUE)
+  new_BxKxRxT = jnp.einsum("bkrd,btkd->bkrt", q_BxKxRxD, k_new_BxTxKxD.astype(dtype),
+                           preferred_element_type=jnp.float32)
+  new_visible_BxTxT = new_mask_BxTxT.astype(bool)
+  new_keys = new_visible_BxTxT.shape[-1]  # T, or E + T with scratch keys before them
+  new_visible_BxRxT = jnp.broadcast_to(new_visible_BxTxT[:, None],
+                                       (batch, groups, q_len, new_keys)).reshape(
+                                           batch, rows, new_keys)
+  new_BxKxRxT = jnp.where(new_visible_BxRxT[:, None], new_BxKxRxT, MASK_VALUE)
+
+  max_BxKxR = jnp.maximum(prefix_BxMxKxRxS.max(axis=(1, 4)), new_BxKxRxT.max(axis=-1))
+  prefix_weights = jnp.exp(prefix_BxMxKxRxS - max_BxKxR[:, None, ..., None])
+  new_weights = jnp.exp(new_BxKxRxT - max_BxKxR[..., None])
+  total_BxKxR = prefix_weights.sum(axis=(1, 4)) + new_weights.sum(axis=-1)
+  value_dtype = v_pages_PxKxSxD.dtype
+  out_BxKxRxD = jnp.einsum(
+      "nkrs,nksd->nkrd",
+      prefix_weights.reshape(batch * max_pages, num_kv_heads, rows, page_size).astype(value_dtype),
+      v_nxKxSxD, preferred_element_type=jnp.float32).reshape(
+          batch, max_pages, num_kv_heads, rows, head_dim).sum(axis=1)
+  out_BxKxRxD += jnp.einsum("bkrt,btkd->bkrd", new_weights.astype(value_dtype),
+                            v_new_BxTxKxD.astype(value_dtype), preferred_element_type=jnp.float32)
+  # A padding query sees no key: its weights are all exp(0) of the mask value; zero it.
+  sees_anything_BxR = ((prefix_lengths_B > 0)[:, None]
+                       | jnp.any(new_visible_BxRxT, axis=-1))
+  out_BxKxRxD = jnp.where(sees_anything_BxR[:, None, :, None],
+                          out_BxKxRxD / total_BxKxR[..., None], 0.0)
+  return (out_BxKxRxD.reshape(batch, num_kv_heads, groups, q_len, head_dim)
+          .transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim).astype(dtype))
 
 
 AttentionFn = Callable[..., Array]
 
 
-def write_pages(pages_PxSxKxD: Array, page_table_BxM: Array, positions_BxT: Array,
-                values_BxTxKxD: Array) -> Array:
-  """Scatters values to cache positions; negative positions go to the trash page."""
-  page_size = pages_PxSxKxD.shape[1]
+def page_slots(page_table_BxM: Array, positions_BxT: Array, page_size: int
+               ) -> tuple[Array, Array]:
+  """(page, offset) of each cache position; negative positions map to the trash page."""
   valid = positions_BxT >= 0
   safe = jnp.where(valid, positions_BxT, 0)
   page_BxT = jnp.take_along_axis(page_table_BxM, safe // page_size, axis=1)
-  page_BxT = jnp.where(valid, page_BxT, TRASH_PAGE)
-  offset_BxT = jnp.where(valid, safe % page_size, 0)
-  return pages_PxSxKxD.at[page_BxT, offset_BxT].set(values_BxTxKxD.astype(pages_PxSxKxD.dtype))
+  return jnp.where(valid, page_BxT, TRASH_PAGE), jnp.where(valid, safe % page_size, 0)
+
+
+def write_pages(pages_PxKxSxD: Array, page_table_BxM: Array, positions_BxT: Array,
+                values_BxTxKxD: Array) -> Array:
+  """Scatters values to cache positions; negative positions go to the trash page."""
+  page_BxT, offset_BxT = page_slots(page_table_BxM, positions_BxT, page_size_of(pages_PxKxSxD))
+  head_K = jnp.arange(pages_PxKxSxD.shape[1])
+  return pages_PxKxSxD.at[page_BxT[..., None], head_K, offset_BxT[..., None]].set(
+      values_BxTxKxD.astype(pages_PxKxSxD.dtype))
+
+
+def read_pages(pages_PxKxSxD: Array, page_table_BxM: Array, positions_BxT: Array) -> Array:
+  """Values at cache positions [B, T, KV, D] (the trash page's for negative positions)."""
+  page_BxT, offset_BxT = page_slots(page_table_BxM, positions_BxT, page_size_of(pages_PxKxSxD))
+  head_K = jnp.arange(pages_PxKxSxD.shape[1])
+  return pages_PxKxSxD[page_BxT[..., None], head_K, offset_BxT[..., None]]
 
 
 @flax.struct.dataclass
@@ -81,7 +148,8 @@ class LayerOffset:
 class PagedKV:
   """KVBackend over per-layer page pools.
 
-  k_pages / v_pages: per layer [P, S, KV, D].
+  k_pages / v_pages: per layer [P, KV, S, D]: head-major within a page, so a page's
+    keys for one head are contiguous (what the dots and a TPU kernel want to read).
   page_table_BxM: page ids of each sequence (TRASH_PAGE where unused).
   prefix_lengths_B: committed tokens each query may see.
   new_mask_BxTxT: which of this call's tokens each query may see.
@@ -148,7 +216,7 @@ def _replace_at(items: tuple, index: int, value) -> tuple:
 
 def init_pages(layer_shapes: tuple[tuple[int, int], ...], num_pages: int, page_size: int,
                dtype) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
-  """Empty K and V page arrays, one per (num_kv_heads, head_dim) entry."""
-  shapes = [(num_pages, page_size, heads, dim) for heads, dim in layer_shapes]
+  """Empty K and V page arrays [P, KV, S, D], one per (num_kv_heads, head_dim) entry."""
+  shapes = [(num_pages, heads, page_size, dim) for heads, dim in layer_shapes]
   return (tuple(jnp.zeros(shape, dtype) for shape in shapes),
           tuple(jnp.zeros(shape, dtype) for shape in shapes))

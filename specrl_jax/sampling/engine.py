@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams, check
 from specrl_jax.kv import pool as page_pool
-from specrl_jax.kv.paged import PagedKV
+from specrl_jax.kv.paged import PagedKV, page_size_of
 from specrl_jax.kv.pool import TRASH_PAGE, PagePool
 from specrl_jax.sampling.warp import sample_tokens
 
@@ -142,7 +142,7 @@ def emit(state: DecodeState, tokens_NxK: Array, log_probs_NxK: Array, counts_N: 
 
 def reserve_pages(state: DecodeState, needed_lengths_N: Array, max_new_pages: int) -> DecodeState:
   """Makes sure each slot owns pages for positions [0, needed_lengths_N)."""
-  page_size = state.kv.k_pages[0].shape[1]
+  page_size = page_size_of(state.kv.k_pages[0])
   max_pages = state.kv.page_table_BxM.shape[1]
   wanted_N = jnp.minimum(-(-needed_lengths_N // page_size), max_pages)
   counts_N = jnp.clip(wanted_N - state.num_pages_N, 0, max_new_pages)
@@ -180,7 +180,7 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
   copy of the prompt's partly filled last page, which it will keep writing into.
   """
   num_requests = prompts.prompt_of_request_R.shape[0]
-  page_size = state.kv.k_pages[0].shape[1]
+  page_size = page_size_of(state.kv.k_pages[0])
   max_pages = state.kv.page_table_BxM.shape[1]
   free_N = state.slot_request_N < 0
   if not continuous:
@@ -234,7 +234,7 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
 
   def sample_first(_):
     first_log_probs_NxV = prompts.first_log_probs_UxV[prompt_N]
-    first_N = sample_tokens(key, first_log_probs_NxV)
+    first_N = sample_tokens(key, first_log_probs_NxV, sampling)
     return first_N, jnp.take_along_axis(first_log_probs_NxV, first_N[:, None], 1)
 
   # Most rounds admit nobody: skip drawing N x V Gumbel noise then (the operands are
@@ -265,13 +265,14 @@ RoundFn = Callable[[DecodeState], DecodeState]
 
 def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
              sampling: SamplingParams, *, continuous: bool,
-             on_admit: AdmitHook | None = None) -> DecodeState:
-  """Decodes until every request has finished or the page pool ran out."""
+             on_admit: AdmitHook | None = None, max_rounds: int | None = None) -> DecodeState:
+  """Decodes until every request has finished or the page pool ran out (or after
+  ``max_rounds`` rounds)."""
   num_requests = prompts.prompt_of_request_R.shape[0]
 
-  def keep_going(state):
-    pending = jnp.any(state.slot_request_N >= 0) | (state.next_request < num_requests)
-    return pending & ~state.pool.exhausted
+  def pending(state):
+    busy = jnp.any(state.slot_request_N >= 0) | (state.next_request < num_requests)
+    return busy & ~state.pool.exhausted
 
   # No lax.cond around these steps: a cond's untaken identity branch copies its whole
   # operand, i.e. every KV page, on each iteration. Each step is a no-op when its masks
@@ -281,4 +282,15 @@ def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
     state = admit(state, prompts, sampling, continuous=continuous, on_admit=on_admit)
     return round_fn(state)
 
-  return jax.lax.while_loop(keep_going, body, state)
+  if max_rounds is None:
+    return jax.lax.while_loop(pending, body, state)
+  _, state = jax.lax.while_loop(lambda carry: (carry[0] < max_rounds) & pending(carry[1]),
+                                lambda carry: (carry[0] + 1, body(carry[1])),
+                                (jnp.int32(0), state))
+  return state
+
+
+def is_done(state: DecodeState, num_requests: int) -> Array:
+  """True once every request has finished (or the page pool ran out)."""
+  busy = jnp.any(state.slot_request_N >= 0) | (state.next_request < num_requests)
+  return ~busy | state.pool.exhausted

@@ -15,10 +15,11 @@ from specrl_jax.config import SamplingParams, SpecConfig
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
 from specrl_jax.models.transformer import Transformer
-from specrl_jax.sampling.engine import DecodeState, EngineConfig, run_loop
+from specrl_jax.sampling.engine import DecodeState, EngineConfig, Prompts, is_done, run_loop
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling.prefill import prefill
 from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.adaptive import DraftLengthController
 from specrl_jax.speculative.round import speculative_round
 from specrl_jax.speculative.topology import TreeTopology
 
@@ -94,9 +95,15 @@ def _group_prompts(prompts: list[list[int]]):
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
              drafter=None, spec: SpecConfig | None = None,
-             engine: EngineConfig = EngineConfig()) -> GenerateOutput:
+             engine: EngineConfig = EngineConfig(),
+             controller: DraftLengthController | None = None) -> GenerateOutput:
   """Samples a response for every prompt (repeat a prompt G times for a GRPO group:
-  identical prompts are prefilled once and share their KV pages)."""
+  identical prompts are prefilled once and share their KV pages).
+
+  controller: with ``SpecConfig(adaptive=True)``, the draft-length controller to use and
+  update; pass the same one to every call of a run (e.g. each RL step) so that what
+  it measured carries over instead of being explored again. Default: a fresh one.
+  """
   config = model.config
   prompts = _validate_prompts(prompts, config.vocab_size, sampling,
                               config.max_position_embeddings)
@@ -107,12 +114,25 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   inputs, layout, drafter, topology, draft_mode = prepare(config, prompts, sampling, engine,
                                                           drafter, spec)
   graphdef, params = nnx.split(model)
+  if spec is not None and spec.adaptive:
+    return _generate_adaptive(graphdef, params, drafter, inputs, rng, sampling=sampling,
+                              layout=layout, topology=topology, draft_mode=draft_mode,
+                              rounds_per_decision=spec.rounds_per_decision,
+                              controller=controller)
+  if controller is not None:
+    raise ValueError("controller was given but spec is not adaptive: pass "
+                     "spec=sj.SpecConfig(..., adaptive=True) or drop controller.")
   start = time.perf_counter()
   final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
                     *inputs, rng, sampling=sampling, layout=layout, drafter=drafter,
                     topology=topology, draft_mode=draft_mode)
   final = jax.device_get(final)
   seconds = time.perf_counter() - start
+  _raise_if_exhausted(final, layout, inputs)
+  return _to_output(final, seconds, drafter)
+
+
+def _raise_if_exhausted(final: DecodeState, layout: _Layout, inputs) -> None:
   if final.pool.exhausted:
     raise PagePoolExhaustedError(
         f"KV page pool exhausted: {layout.num_pages} pages of {layout.page_size} tokens "
@@ -120,7 +140,50 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
         f"{layout.max_pages_per_seq * layout.page_size} tokens plus {inputs[0].shape[0]} "
         f"prompts. Raise EngineConfig.num_pages (at least {layout.pages_always_enough} "
         "always suffices) or lower EngineConfig.num_slots.")
-  return _to_output(final, seconds)
+
+
+def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
+                       sampling: SamplingParams, layout: _Layout, topology: TreeTopology,
+                       draft_mode: str, rounds_per_decision: int,
+                       controller: DraftLengthController | None) -> GenerateOutput:
+  """Decodes in batches of rounds, re-choosing the chain length (0 = plain) between
+  batches with a DraftLengthController. The state is built for the longest chain, so
+  every length runs on it; each length compiles once."""
+  longest = topology.depth
+  if controller is None:
+    controller = DraftLengthController(k_max=longest)
+  elif controller.k_max != longest:
+    raise ValueError(f"controller.k_max={controller.k_max} differs from the spec's "
+                     f"num_draft_tokens={longest}: they must match.")
+  first_decision = len(controller.history)
+  drafter_params = drafter.params()
+  num_requests = inputs[2].shape[0]
+  start = time.perf_counter()
+  state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
+                          layout=layout, drafter=drafter, topology=topology)
+  counters = jax.device_get(state.counters)
+  while True:
+    k = controller.choose()
+    began = time.perf_counter()
+    state = _continue(graphdef, params, drafter_params, state, prompts, sampling=sampling,
+                      layout=layout, drafter=drafter, topology=TreeTopology((1,) * k),
+                      draft_mode=draft_mode, max_rounds=rounds_per_decision,
+                      max_pending=longest + 1)
+    now, done = jax.device_get((state.counters, is_done(state, num_requests)))
+    controller.observe(
+        k, int(now["target_calls"] - counters["target_calls"]), time.perf_counter() - began,
+        now["accepted_per_position"] - counters["accepted_per_position"],
+        int(now["draft_rounds"] - counters["draft_rounds"]))
+    counters = now
+    if done:
+      break
+  final = jax.device_get(state)
+  seconds = time.perf_counter() - start
+  _raise_if_exhausted(final, layout, inputs)
+  output = _to_output(final, seconds, drafter)
+  output.stats["draft_length_schedule"] = controller.history[first_decision:]
+  output.stats["round_seconds_by_draft_length"] = dict(sorted(controller.round_seconds.items()))
+  return output
 
 
 def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: EngineConfig,
@@ -164,7 +227,8 @@ def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: 
   return inputs, layout, drafter, topology, draft_mode
 
 
-def _to_output(final: DecodeState, seconds: float) -> GenerateOutput:
+def _to_output(final: DecodeState, seconds: float, drafter: Drafter | None = None
+               ) -> GenerateOutput:
   lengths = np.asarray(final.out_lengths_R)
   counters = {name: np.asarray(value) for name, value in final.counters.items()}
   generated = int(lengths.sum())
@@ -184,6 +248,8 @@ def _to_output(final: DecodeState, seconds: float) -> GenerateOutput:
   else:
     stats["acceptance_length"] = 1.0
     stats["per_position_acceptance"] = []
+  if drafter is not None:
+    stats["drafter"] = drafter.stats(final.drafter)
   return GenerateOutput(tokens=np.asarray(final.out_tokens_RxL), lengths=lengths,
                         logprobs=np.asarray(final.out_log_probs_RxL), stats=stats)
 
@@ -220,6 +286,63 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
       rng=rng, counters=counters, drafter=drafter_state)
 
 
+def _round_hooks(model: Transformer, drafter_params, sampling: SamplingParams,
+                 drafter: Drafter | None, topology: TreeTopology | None,
+                 draft_mode: str | None, max_pending: int | None = None):
+  """(round_fn, on_admit) of the decode loop: plain rounds, or speculative rounds of
+  ``topology`` whose drafter is told about newly admitted prompts."""
+  if drafter is None:
+    return (lambda s: plain_round(model, s, sampling)), None
+
+  def on_admit(s, admit_N, prompt_N, prompts):
+    return s.replace(drafter=drafter.on_admit(drafter_params, s.drafter, admit_N,
+                                              prompts.lengths_U[prompt_N]))
+
+  def round_fn(s):
+    return speculative_round(model, drafter, drafter_params, s, sampling, topology,
+                             draft_mode, max_pending)
+  return round_fn, on_admit
+
+
+def start_rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_request_R,
+                  last_request_U, rng, *, sampling: SamplingParams, layout: _Layout,
+                  drafter: Drafter | None, topology: TreeTopology | None
+                  ) -> tuple[DecodeState, Prompts]:
+  """Prefills the prompts (and the drafter's cache): the decode loop's initial state and
+  the constant prompt data it admits requests from."""
+  model = nnx.merge(graphdef, params)
+  state = init_state(model.config, layout, prompt_of_request_R.shape[0], rng, drafter, topology)
+  offset = model.config.num_layers
+
+  def drafter_prefill(prefill_kv, target_output):
+    nonlocal state
+    drafter_state, view = drafter.prefill(drafter_params, state.drafter,
+                                          LayerOffset(inner=prefill_kv, offset=offset),
+                                          tokens_UxT, lengths_U, target_output)
+    state = state.replace(drafter=drafter_state)
+    return view.inner
+
+  pool, kv, prompts = prefill(model, state.pool, state.kv, tokens_UxT, lengths_U,
+                              prompt_of_request_R, last_request_U, sampling,
+                              drafter_prefill if drafter is not None else None,
+                              hidden_layers=drafter.hidden_layers if drafter else ())
+  return state.replace(pool=pool, kv=kv), prompts
+
+
+def continue_rollout(graphdef, params, drafter_params, state: DecodeState, prompts: Prompts, *,
+                     sampling: SamplingParams, layout: _Layout, drafter: Drafter | None,
+                     topology: TreeTopology | None, draft_mode: str | None,
+                     max_rounds: int | None = None, max_pending: int | None = None
+                     ) -> DecodeState:
+  """Runs decode rounds of ``topology`` until every request has finished (or after
+  ``max_rounds`` rounds: the adaptive engine re-chooses the draft length between calls)."""
+  model = nnx.merge(graphdef, params)
+  round_fn, on_admit = _round_hooks(model, drafter_params, sampling, drafter, topology,
+                                    draft_mode, max_pending)
+  return run_loop(state, prompts, round_fn, sampling, continuous=layout.continuous,
+                  on_admit=on_admit, max_rounds=max_rounds)
+
+
 def rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_request_R,
             last_request_U, rng, *, sampling: SamplingParams, layout: _Layout,
             drafter: Drafter | None, topology: TreeTopology | None, draft_mode: str | None
@@ -228,34 +351,16 @@ def rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_r
   that compile it into a larger step (e.g. a jitted RL step). Returns the final
   DecodeState: ``out_tokens_RxL``, ``out_log_probs_RxL``, ``out_lengths_R``,
   ``counters`` and ``pool.exhausted`` are the results. Use ``prepare`` for the inputs."""
-  model = nnx.merge(graphdef, params)
-  state = init_state(model.config, layout, prompt_of_request_R.shape[0], rng, drafter, topology)
-  drafter_prefill = on_admit = None
-  round_fn = lambda s: plain_round(model, s, sampling)
-  if drafter is not None:
-    offset = model.config.num_layers
-
-    def drafter_prefill(prefill_kv, target_output):
-      nonlocal state
-      drafter_state, view = drafter.prefill(drafter_params, state.drafter,
-                                            LayerOffset(inner=prefill_kv, offset=offset),
-                                            tokens_UxT, lengths_U, target_output)
-      state = state.replace(drafter=drafter_state)
-      return view.inner
-
-    def on_admit(s, admit_N, prompt_N, prompts):
-      return s.replace(drafter=drafter.on_admit(drafter_params, s.drafter, admit_N,
-                                                prompts.lengths_U[prompt_N]))
-
-    round_fn = lambda s: speculative_round(model, drafter, drafter_params, s, sampling,
-                                           topology, draft_mode)
-  pool, kv, prompts = prefill(model, state.pool, state.kv, tokens_UxT, lengths_U,
-                              prompt_of_request_R, last_request_U, sampling, drafter_prefill,
-                              hidden_layers=drafter.hidden_layers if drafter else ())
-  state = state.replace(pool=pool, kv=kv)
-  return run_loop(state, prompts, round_fn, sampling, continuous=layout.continuous,
-                  on_admit=on_admit)
+  state, prompts = start_rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U,
+                                 prompt_of_request_R, last_request_U, rng, sampling=sampling,
+                                 layout=layout, drafter=drafter, topology=topology)
+  return continue_rollout(graphdef, params, drafter_params, state, prompts, sampling=sampling,
+                          layout=layout, drafter=drafter, topology=topology,
+                          draft_mode=draft_mode)
 
 
-_generate = jax.jit(rollout, static_argnames=("graphdef", "sampling", "layout", "drafter",
-                                              "topology", "draft_mode"))
+_STATIC = ("graphdef", "sampling", "layout", "drafter", "topology", "draft_mode")
+_generate = jax.jit(rollout, static_argnames=_STATIC)
+_start = jax.jit(start_rollout, static_argnames=_STATIC[:-1])
+_continue = jax.jit(continue_rollout, static_argnames=_STATIC + ("max_rounds", "max_pending"),
+                    donate_argnames=("state",))

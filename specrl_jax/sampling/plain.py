@@ -23,7 +23,7 @@ def plain_round(model: Transformer, state: DecodeState, sampling: SamplingParams
   out = model.forward(state.last_token_N[:, None], positions_BxT=positions_N[:, None], kv=kv)
   log_probs_NxV = warped_log_probs(out.logits[:, 0], sampling)
   rng, key = jax.random.split(state.rng)
-  token_N = sample_tokens(key, log_probs_NxV)
+  token_N = sample_tokens(key, log_probs_NxV, sampling)
   token_log_prob_N = jnp.take_along_axis(log_probs_NxV, token_N[:, None], axis=1)
   counters = dict(state.counters, target_calls=state.counters["target_calls"] + 1)
   state = state.replace(kv=state.kv.replace(k_pages=out.kv.k_pages, v_pages=out.kv.v_pages),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams
 from specrl_jax.kv import pool as page_pool
-from specrl_jax.kv.paged import PagedKV
+from specrl_jax.kv.paged import PagedKV, page_size_of
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import Prompts
 from specrl_jax.sampling.warp import warped_log_probs
@@ -29,7 +29,7 @@ def prefill(model: Transformer, pool: page_pool.PagePool, kv: PagedKV, tokens_Ux
   it reads.
   """
   num_prompts, length = tokens_UxT.shape
-  page_size = kv.k_pages[0].shape[1]
+  page_size = page_size_of(kv.k_pages[0])
   max_prompt_pages = -(-length // page_size)
   pool, table_UxM, _ = page_pool.allocate(pool, -(-lengths_U // page_size), max_prompt_pages)
   position_T = jnp.arange(length, dtype=jnp.int32)

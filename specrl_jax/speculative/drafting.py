@@ -38,11 +38,21 @@ def choose_children(rng: Array, log_q_NxWxV: Array, branching: int, draft_mode: 
 
 
 def draft_tree(rng: Array, drafter: Drafter, params, state, kv, inputs: RoundInputs,
-               sampling: SamplingParams, topology: TreeTopology, draft_mode: str):
-  """Runs the drafter level by level. Returns (DraftTree, drafter state, kv)."""
+               sampling: SamplingParams, topology: TreeTopology, draft_mode: str,
+               max_pending: int | None = None):
+  """Runs the drafter level by level. Returns (DraftTree, drafter state, kv).
+
+  max_pending: most tokens the drafter may have to catch up on (default: one round of
+  this topology's depth accepted, plus the bonus token).
+  """
   log_q_NxV, state, kv, scratch = drafter.start(params, state, kv, inputs, sampling,
-                                                max_pending=topology.depth + 1)
+                                                max_pending=max_pending or topology.depth + 1)
   level_log_q = log_q_NxV[:, None, :]
+  if topology.depth == 0:
+    num_slots = log_q_NxV.shape[0]
+    return DraftTree(tokens_NxK=jnp.zeros((num_slots, 0), jnp.int32),
+                     valid_NxK=jnp.zeros((num_slots, 0), bool),
+                     log_q_NxIxV=level_log_q), state, kv
   internal_log_q = [level_log_q]
   tokens, valid = [], []
   keys = jax.random.split(rng, topology.depth)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams
-from specrl_jax.kv.paged import LayerOffset
+from specrl_jax.kv.paged import LayerOffset, page_size_of
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import DecodeState, emit, reserve_pages
 from specrl_jax.sampling.warp import warped_log_probs
@@ -19,11 +19,13 @@ from specrl_jax.speculative.verify import verify
 
 def speculative_round(model: Transformer, drafter: Drafter, drafter_params, state: DecodeState,
                       sampling: SamplingParams, topology: TreeTopology,
-                      draft_mode: str) -> DecodeState:
+                      draft_mode: str, max_pending: int | None = None) -> DecodeState:
+  """One round for the active slots. ``max_pending``: see ``draft_tree`` (an adaptive
+  engine that switches draft lengths passes its longest one's)."""
   active_N = state.active_N
   cached_N = state.cache_lengths_N
   depth = topology.depth
-  page_size = state.kv.k_pages[0].shape[1]
+  page_size = page_size_of(state.kv.k_pages[0])
   state = reserve_pages(state, jnp.where(active_N, cached_N + 1 + depth, 0),
                         max_new_pages=-(-(depth + 1) // page_size) + 1)
   inputs = RoundInputs(last_token_N=state.last_token_N, cache_lengths_N=cached_N,
@@ -34,7 +36,7 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
   drafter_kv = LayerOffset(inner=state.kv, offset=model.config.num_layers)
   tree, drafter_state, drafter_kv = draft_tree(draft_key, drafter, drafter_params,
                                                state.drafter, drafter_kv, inputs, sampling,
-                                               topology, draft_mode)
+                                               topology, draft_mode, max_pending)
   kv = state.kv.replace(k_pages=drafter_kv.inner.k_pages, v_pages=drafter_kv.inner.v_pages)
 
   num_slots = state.num_slots
@@ -65,9 +67,13 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
   accepted_N = jnp.where(active_N, verdict.num_accepted_N, 0)
   counters = dict(state.counters)
   counters["target_calls"] = counters["target_calls"] + 1
-  counters["draft_rounds"] = counters["draft_rounds"] + jnp.sum(active_N, dtype=jnp.int32)
-  counters["accepted_per_position"] = counters["accepted_per_position"] + jnp.sum(
-      (verdict.path_NxD >= 0) & active_N[:, None], axis=0, dtype=jnp.int32)
+  if depth > 0:  # acceptance statistics describe rounds that drafted something
+    counters["draft_rounds"] = counters["draft_rounds"] + jnp.sum(active_N, dtype=jnp.int32)
+  accepted_D = jnp.sum((verdict.path_NxD >= 0) & active_N[:, None], axis=0, dtype=jnp.int32)
+  # The counter is as long as the longest draft the engine may use.
+  longest = counters["accepted_per_position"].shape[0]
+  counters["accepted_per_position"] = counters["accepted_per_position"] + jnp.pad(
+      accepted_D, (0, longest - depth))
   state = state.replace(
       kv=state.kv.replace(k_pages=drafter_kv.inner.k_pages, v_pages=drafter_kv.inner.v_pages),
       drafter=drafter_state, rng=rng, counters=counters,

@@ -20,8 +20,10 @@ class TreeTopology:
   branching: tuple[int, ...]  # children per node at each depth
 
   def __post_init__(self):
-    if not self.branching or any(not isinstance(b, int) or b < 1 for b in self.branching):
-      raise ConfigError(f"tree={self.branching!r} is invalid: expected a non-empty tuple of "
+    # () is depth 0: a round that drafts nothing and verifies only the root, i.e. a
+    # plain decoding step that keeps the drafter in step (adaptive speculation's "off").
+    if any(not isinstance(b, int) or b < 1 for b in self.branching):
+      raise ConfigError(f"tree={self.branching!r} is invalid: expected a tuple of "
                         "positive children counts per depth, e.g. (3, 2, 1).")
 
   @classmethod

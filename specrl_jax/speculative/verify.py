@@ -21,6 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specrl_jax.sampling.warp import sample_from_probs
 from specrl_jax.speculative.topology import TreeTopology
 
 Array = jax.Array
@@ -70,7 +71,8 @@ def verify(rng: Array, target_log_probs_NxSxV: Array, draft_tokens_NxK: Array,
   node_N = jnp.zeros((num_slots,), jnp.int32)
   alive_N = jnp.ones((num_slots,), bool)
   path = []
-  keys = jax.random.split(rng, topology.depth * max(topology.branching) + 1)
+  widest = max(topology.branching, default=0)
+  keys = jax.random.split(rng, topology.depth * widest + 1)
   for depth, branching in enumerate(topology.branching):
     first_N = first_child[node_N]
     if draft_mode == "sample":
@@ -91,7 +93,7 @@ def verify(rng: Array, target_log_probs_NxSxV: Array, draft_tokens_NxK: Array,
         q_token_N = jnp.ones((num_slots,), jnp.float32)
       trying_N = (alive_N & ~found_N & draft_valid_NxK[slot_N, child_N - 1]
                   & (q_token_N > 0))
-      uniform_N = jax.random.uniform(keys[depth * max(topology.branching) + j], (num_slots,))
+      uniform_N = jax.random.uniform(keys[depth * widest + j], (num_slots,))
       accept_N = trying_N & (uniform_N * q_token_N < _take(p_NxV, token_N))
       reject_N = trying_N & ~accept_N
       residual_NxV = _normalise(jnp.maximum(p_NxV - q_child_NxV, 0.0), p_NxV)
@@ -103,9 +105,10 @@ def verify(rng: Array, target_log_probs_NxSxV: Array, draft_tokens_NxK: Array,
     p_NxV = jnp.where(alive_N[:, None], jnp.exp(target_log_probs_NxSxV[slot_N, node_N]), p_NxV)
     path.append(jnp.where(alive_N, chosen_N, -1))
 
-  path_NxD = jnp.stack(path, axis=1)
+  path_NxD = (jnp.stack(path, axis=1) if path
+              else jnp.zeros((num_slots, 0), jnp.int32))  # depth 0: nothing drafted
   num_accepted_N = jnp.sum(path_NxD >= 0, axis=1).astype(jnp.int32)
-  final_N = jax.random.categorical(keys[-1], jnp.log(p_NxV), axis=-1).astype(jnp.int32)
+  final_N = sample_from_probs(keys[-1], p_NxV)
   final_log_prob_N = target_log_probs_NxSxV[slot_N, node_N, final_N]
 
   parent = jnp.asarray(topology.parent)

@@ -107,3 +107,8 @@ class Drafter(abc.ABC):
              ) -> tuple[Any, Any]:
     """Sees the verification outcome (e.g. to read the target's hidden states)."""
     return state, kv
+
+  def stats(self, state) -> dict[str, float]:
+    """Drafter-specific statistics from the final drafter state (host arrays), reported
+    by ``generate`` under ``stats["drafter"]`` (e.g. proposals and acceptance per source)."""
+    return {}

@@ -30,8 +30,7 @@ import numpy as np
 from flax import nnx
 
 from specrl_jax.config import ConfigError
-from specrl_jax.kv.paged import LayerOffset, PagedKV, write_pages
-from specrl_jax.kv.pool import TRASH_PAGE
+from specrl_jax.kv.paged import LayerOffset, PagedKV, read_pages, write_pages
 from specrl_jax.parallel.rules import path_string as rules_path
 from specrl_jax.sampling.warp import proposal_log_probs
 from specrl_jax.speculative.drafters.base import Drafter, pending_tokens
@@ -79,14 +78,10 @@ def write_features(kv: PagedKV, layer: int, positions_BxT: Array,
 
 def read_features(kv: PagedKV, layer: int, positions_BxT: Array, hidden_size: int) -> Array:
   """Features stored at cache positions [B, T, D]; zeros where a position is negative."""
-  page_size = kv.k_pages[layer].shape[1]
   valid_BxT = positions_BxT >= 0
-  safe_BxT = jnp.where(valid_BxT, positions_BxT, 0)
-  page_BxT = jnp.take_along_axis(kv.page_table_BxM, safe_BxT // page_size, axis=1)
-  page_BxT = jnp.where(valid_BxT, page_BxT, TRASH_PAGE)
-  offset_BxT = safe_BxT % page_size
-  both = jnp.concatenate([kv.k_pages[layer][page_BxT, offset_BxT, 0],
-                          kv.v_pages[layer][page_BxT, offset_BxT, 0]], axis=-1)
+  both = jnp.concatenate([read_pages(kv.k_pages[layer], kv.page_table_BxM, positions_BxT)[..., 0, :],
+                          read_pages(kv.v_pages[layer], kv.page_table_BxM, positions_BxT)[..., 0, :]],
+                         axis=-1)
   return jnp.where(valid_BxT[..., None], both[..., :hidden_size], 0)
 
 

@@ -1,0 +1,109 @@
+"""Adaptive draft length: choose k (0 = plain decoding) from what has been measured.
+
+Speculation pays only when the tokens a round emits outweigh what the round costs
+over a plain step, and both sides drift: acceptance depends on the prompt and the
+policy, round cost on the live batch. The controller keeps, per draft position, how
+often a draft there was accepted once reached, and per draft length the measured
+seconds per round, and picks the k with the most expected tokens per second (the
+``sim.SpeculationCostModel`` arithmetic: 1 + sum_i prod_{j<=i} a_j tokens per round).
+
+Exploration: the first decision drafts the longest chain (measuring every position's
+acceptance and the costliest round), the second runs plain rounds (the baseline);
+round times of lengths not yet run are interpolated by a line through the measured
+ones. While plain decoding wins, every ``explore_every``-th decision drafts the
+longest chain again so that a drafter that improves (online training) is noticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specrl_jax.config import check
+from specrl_jax.sim.rollout import expected_tokens_per_round
+
+
+@dataclasses.dataclass
+class DraftLengthController:
+  """Host-side controller; ``choose`` before each batch of rounds, ``observe`` after.
+
+  k_max: the longest chain allowed. min_gain: speculation must beat plain decoding by
+  this factor to be chosen (hysteresis against timing noise). smoothing: weight of the
+  newest round time in each length's running mean (later rounds run a smaller tail
+  batch, so old times go stale).
+  """
+
+  k_max: int
+  min_gain: float = 1.03
+  explore_every: int = 16
+  smoothing: float = 0.5
+  accepted_D: np.ndarray = dataclasses.field(init=False)
+  reached_D: np.ndarray = dataclasses.field(init=False)
+  round_seconds: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
+  history: list[tuple[int, int]] = dataclasses.field(init=False, default_factory=list)
+
+  def __post_init__(self):
+    owner = "DraftLengthController"
+    check(isinstance(self.k_max, int) and self.k_max >= 1, owner, "k_max", self.k_max,
+          "an integer >= 1")
+    check(self.min_gain >= 1.0, owner, "min_gain", self.min_gain, "a number >= 1")
+    check(isinstance(self.explore_every, int) and self.explore_every >= 2, owner,
+          "explore_every", self.explore_every, "an integer >= 2")
+    check(0 < self.smoothing <= 1, owner, "smoothing", self.smoothing, "in (0, 1]")
+    self.accepted_D = np.zeros(self.k_max)
+    self.reached_D = np.zeros(self.k_max)
+
+  def acceptance(self) -> np.ndarray:
+    """Conditional acceptance per position (a Laplace estimate; positions never reached
+    repeat the deepest measured one)."""
+    rates = (self.accepted_D + 1) / (self.reached_D + 2)
+    for i in range(1, self.k_max):
+      if self.reached_D[i] == 0:
+        rates[i] = rates[i - 1]
+    return rates
+
+  def predicted_round_seconds(self, k: int) -> float:
+    measured = sorted(self.round_seconds)
+    if k in self.round_seconds:
+      return self.round_seconds[k]
+    if len(measured) == 1:
+      return self.round_seconds[measured[0]]
+    slope, intercept = np.polyfit(measured, [self.round_seconds[m] for m in measured], 1)
+    return max(float(intercept + slope * k), 1e-9)
+
+  def tokens_per_second(self, k: int) -> float:
+    tokens = 1.0 if k == 0 else expected_tokens_per_round(tuple(self.acceptance()), k)
+    return tokens / self.predicted_round_seconds(k)
+
+  def choose(self) -> int:
+    decision = len(self.history)
+    if decision == 0 or not self.round_seconds:
+      return self.k_max
+    if 0 not in self.round_seconds:
+      return 0
+    best = max(range(1, self.k_max + 1), key=self.tokens_per_second)
+    if self.tokens_per_second(best) >= self.min_gain * self.tokens_per_second(0):
+      return best
+    return self.k_max if decision % self.explore_every == 0 else 0
+
+  def observe(self, k: int, rounds: int, seconds: float, accepted_D: np.ndarray,
+              drafted_slot_rounds: int) -> None:
+    """After ``rounds`` rounds of length k took ``seconds``: ``accepted_D`` counts the
+    accepted drafts at each position (summed over slots) and ``drafted_slot_rounds``
+    the slot-rounds that drafted."""
+    self.history.append((k, rounds))
+    if rounds <= 0:
+      return
+    per_round = seconds / rounds
+    previous = self.round_seconds.get(k)
+    self.round_seconds[k] = (per_round if previous is None
+                             else self.smoothing * per_round + (1 - self.smoothing) * previous)
+    if k == 0:
+      return
+    accepted = np.asarray(accepted_D[:k], np.float64)
+    # Position 0 is reached by every drafting slot-round, position i by those that
+    # accepted position i - 1.
+    reached = np.concatenate([[drafted_slot_rounds], accepted[:-1]])
+    self.accepted_D[:k] += accepted
+    self.reached_D[:k] += reached

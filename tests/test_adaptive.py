@@ -1,0 +1,159 @@
+"""Adaptive speculation: the draft length (0 = plain decoding) is chosen between batches
+of rounds from measured acceptance and round times, and output stays exactly the
+target's distribution whatever lengths are chosen."""
+
+import jax
+import numpy as np
+import pytest
+
+from specrl_jax import drafters, testing
+from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
+from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.sampling.generate import generate
+from specrl_jax.speculative.adaptive import DraftLengthController
+
+VOCAB = 12
+TARGET_CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def observe_rounds(controller, k, *, seconds_per_round, acceptance, slots=8, rounds=8):
+  """Feeds the controller what ``rounds`` rounds of length k with the given conditional
+  per-position acceptance would report."""
+  reached, accepted = slots * rounds, []
+  for rate in acceptance[:k]:
+    accepted.append(reached * rate)
+    reached *= rate
+  accepted_D = np.zeros(controller.k_max)
+  accepted_D[:k] = accepted
+  controller.observe(k, rounds, seconds_per_round * rounds, accepted_D,
+                     slots * rounds if k else 0)
+
+
+# --- the controller -----------------------------------------------------------------
+
+def test_controller_first_measures_the_longest_draft_then_plain_decoding():
+  controller = DraftLengthController(k_max=4)
+  assert controller.choose() == 4
+  observe_rounds(controller, 4, seconds_per_round=0.010, acceptance=[0.9] * 4)
+  assert controller.choose() == 0
+  observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
+  assert controller.round_seconds == {4: pytest.approx(0.010), 0: pytest.approx(0.004)}
+
+
+def test_controller_picks_the_length_with_most_tokens_per_second():
+  # Rounds cost 4 ms + 1 ms per draft; the first two drafts are almost always accepted,
+  # deeper ones rarely: k = 2 emits 2.85 tokens in 6 ms (k = 1: 1.95 in 5, k = 3: 2.99
+  # in 7, the longest draft: 3.1 in 10).
+  acceptance = [0.95, 0.95, 0.1, 0.1, 0.1, 0.1]
+  controller = DraftLengthController(k_max=6)
+  observe_rounds(controller, 6, seconds_per_round=0.010, acceptance=acceptance, rounds=500)
+  observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
+  assert controller.choose() == 2
+  np.testing.assert_allclose(controller.acceptance()[:4], acceptance[:4], atol=0.02)
+
+
+def test_controller_falls_back_to_plain_decoding_when_speculation_loses():
+  controller = DraftLengthController(k_max=3, explore_every=4)
+  observe_rounds(controller, 3, seconds_per_round=0.012, acceptance=[0.3] * 3)
+  observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
+  choices = []
+  for _ in range(8):
+    choices.append(controller.choose())
+    observe_rounds(controller, choices[-1], seconds_per_round=0.012 if choices[-1] else 0.004,
+                   acceptance=[0.3] * 3)
+  # Plain decoding, except for a periodic re-measurement of the longest draft.
+  assert choices.count(0) >= 6 and set(choices) <= {0, 3}
+
+
+def test_controller_notices_a_drafter_that_improves():
+  controller = DraftLengthController(k_max=3, explore_every=2)
+  observe_rounds(controller, 3, seconds_per_round=0.010, acceptance=[0.1] * 3)
+  observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
+  for _ in range(6):  # the drafter got good: exploration rounds now accept almost all
+    k = controller.choose()
+    observe_rounds(controller, k, seconds_per_round=0.010 if k else 0.004,
+                   acceptance=[0.98] * 3, rounds=50)
+  assert controller.choose() > 0
+
+
+@pytest.mark.parametrize("field, value", [("k_max", 0), ("min_gain", 0.5),
+                                          ("explore_every", 1), ("smoothing", 0.0)])
+def test_controller_rejects_bad_settings(field, value):
+  with pytest.raises(ConfigError, match=field):
+    DraftLengthController(**{"k_max": 3, field: value})
+
+
+def test_spec_config_rejects_adaptive_trees_and_bad_decision_interval():
+  with pytest.raises(ConfigError, match="tree"):
+    SpecConfig(tree=(2, 1), adaptive=True)
+  with pytest.raises(ConfigError, match="rounds_per_decision"):
+    SpecConfig(adaptive=True, rounds_per_decision=0)
+
+
+# --- generation -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target():
+  return testing.peaked_random_model(TARGET_CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def noisy_drafter(target):
+  return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
+
+
+def test_adaptive_speculation_follows_the_exact_joint_distribution(target, noisy_drafter):
+  # One round per decision: draft lengths change every round while sequences are in
+  # flight, so a sequence's tokens come from rounds of different lengths.
+  prompt = [1, 2, 3] + testing.greedy_reference(target, [[1, 2, 3]], 6)[0]
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=6, top_k=4)
+  prompts = [prompt] * 20_000
+  out = generate(target, prompts, sampling=sampling, rng=jax.random.key(0),
+                 drafter=noisy_drafter,
+                 spec=SpecConfig(num_draft_tokens=4, adaptive=True, rounds_per_decision=1),
+                 engine=EngineConfig(page_size=4, num_slots=2048))
+  exact = testing.enumerate_sequence_distribution(target, prompt, sampling, 3)
+  testing.assert_joint_matches(out.tokens, out.lengths, exact, name="adaptive")
+  testing.assert_per_position_matches(out.tokens, testing.marginals_from_joint(exact, VOCAB),
+                                      name="adaptive")
+  np.testing.assert_allclose(
+      out.logprobs, testing.response_log_probs(target, prompts, out.tokens, out.lengths,
+                                               sampling), atol=1e-4)
+  lengths_used = {k for k, _ in out.stats["draft_length_schedule"]}
+  assert 0 in lengths_used and 4 in lengths_used  # plain and the longest were both run
+  assert set(out.stats["round_seconds_by_draft_length"]) == lengths_used
+
+
+def test_adaptive_greedy_output_is_identical_to_plain_greedy(target, noisy_drafter):
+  prompts = [[5], [3, 10, 11], [9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8], [11, 0, 1, 2, 4]]
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=12)
+  engine = EngineConfig(page_size=4, num_slots=2)  # slots are refilled mid-flight
+  plain = generate(target, prompts, sampling=sampling, engine=engine)
+  adaptive = generate(target, prompts, sampling=sampling, engine=engine,
+                      drafter=noisy_drafter,
+                      spec=SpecConfig(num_draft_tokens=3, adaptive=True,
+                                      rounds_per_decision=2))
+  np.testing.assert_array_equal(adaptive.tokens, plain.tokens)
+  np.testing.assert_array_equal(adaptive.lengths, plain.lengths)
+
+
+def test_a_controller_passed_to_every_call_carries_its_measurements_over(target, noisy_drafter):
+  prompts = [[1, 2, 3], [4, 5]]
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+  spec = SpecConfig(num_draft_tokens=2, adaptive=True, rounds_per_decision=2)
+  controller = DraftLengthController(k_max=2)
+  first = generate(target, prompts, sampling=sampling, drafter=noisy_drafter, spec=spec,
+                   controller=controller)
+  decisions = len(controller.history)
+  second = generate(target, prompts, sampling=sampling, drafter=noisy_drafter, spec=spec,
+                    controller=controller, rng=jax.random.key(1))
+  assert first.stats["draft_length_schedule"] == controller.history[:decisions]
+  assert second.stats["draft_length_schedule"] == controller.history[decisions:]
+  assert controller.reached_D[0] > 0  # acceptance was measured and kept
+  with pytest.raises(ValueError, match="k_max=3"):
+    generate(target, prompts, sampling=sampling, drafter=noisy_drafter, spec=spec,
+             controller=DraftLengthController(k_max=3))
+  with pytest.raises(ValueError, match="not adaptive"):
+    generate(target, prompts, sampling=sampling, drafter=noisy_drafter,
+             spec=SpecConfig(num_draft_tokens=2), controller=controller)
