@@ -32,13 +32,25 @@ def observe_rounds(controller, k, *, seconds_per_round, acceptance, slots=8, rou
 
 # --- the controller -----------------------------------------------------------------
 
-def test_controller_first_measures_the_longest_draft_then_plain_decoding():
+def run_controller(controller, decisions, *, seconds_per_round, acceptance, rounds=200):
+  """Lets the controller decide ``decisions`` times in a world where a round of length k
+  takes seconds_per_round(k) and drafts are accepted at the given conditional rates.
+  Returns its choices."""
+  choices = []
+  for _ in range(decisions):
+    k = controller.choose()
+    choices.append(k)
+    observe_rounds(controller, k, seconds_per_round=seconds_per_round(k),
+                   acceptance=acceptance, rounds=rounds)
+  return choices
+
+
+def test_controller_measures_the_longest_draft_then_plain_then_every_other_length():
   controller = DraftLengthController(k_max=4)
-  assert controller.choose() == 4
-  observe_rounds(controller, 4, seconds_per_round=0.010, acceptance=[0.9] * 4)
-  assert controller.choose() == 0
-  observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
-  assert controller.round_seconds == {4: pytest.approx(0.010), 0: pytest.approx(0.004)}
+  choices = run_controller(controller, 5, seconds_per_round=lambda k: 0.004 + 0.001 * k,
+                           acceptance=[0.9] * 4)
+  assert choices == [4, 0, 3, 2, 1]
+  assert controller.round_seconds == {k: pytest.approx(0.004 + 0.001 * k) for k in range(5)}
 
 
 def test_controller_picks_the_length_with_most_tokens_per_second():
@@ -47,34 +59,39 @@ def test_controller_picks_the_length_with_most_tokens_per_second():
   # in 7, the longest draft: 3.1 in 10).
   acceptance = [0.95, 0.95, 0.1, 0.1, 0.1, 0.1]
   controller = DraftLengthController(k_max=6)
+  choices = run_controller(controller, 12, seconds_per_round=lambda k: 0.004 + 0.001 * k,
+                           acceptance=acceptance)
+  assert choices[7:] == [2] * 5
+  np.testing.assert_allclose(controller.acceptance()[:4], acceptance[:4], atol=0.02)
+
+
+def test_controller_predicts_untried_lengths_from_the_acceptance_model():
+  acceptance = [0.95, 0.95, 0.1, 0.1, 0.1, 0.1]
+  controller = DraftLengthController(k_max=6)
   observe_rounds(controller, 6, seconds_per_round=0.010, acceptance=acceptance, rounds=500)
   observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
-  assert controller.choose() == 2
-  np.testing.assert_allclose(controller.acceptance()[:4], acceptance[:4], atol=0.02)
+  assert controller.predicted_round_seconds(2) == pytest.approx(0.006)
+  assert max(range(1, 7), key=controller.tokens_per_second) == 2
 
 
 def test_controller_falls_back_to_plain_decoding_when_speculation_loses():
   controller = DraftLengthController(k_max=3, explore_every=4)
-  observe_rounds(controller, 3, seconds_per_round=0.012, acceptance=[0.3] * 3)
-  observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
-  choices = []
-  for _ in range(8):
-    choices.append(controller.choose())
-    observe_rounds(controller, choices[-1], seconds_per_round=0.012 if choices[-1] else 0.004,
-                   acceptance=[0.3] * 3)
-  # Plain decoding, except for a periodic re-measurement of the longest draft.
-  assert choices.count(0) >= 6 and set(choices) <= {0, 3}
+  choices = run_controller(controller, 14, seconds_per_round=lambda k: 0.004 + 0.003 * k,
+                           acceptance=[0.3] * 3, rounds=8)
+  # After measuring every length: plain decoding, except for a periodic re-measurement
+  # of the longest draft.
+  later = choices[4:]
+  assert later.count(0) >= 7 and set(later) <= {0, 3}
 
 
 def test_controller_notices_a_drafter_that_improves():
   controller = DraftLengthController(k_max=3, explore_every=2)
-  observe_rounds(controller, 3, seconds_per_round=0.010, acceptance=[0.1] * 3)
-  observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
-  for _ in range(6):  # the drafter got good: exploration rounds now accept almost all
-    k = controller.choose()
-    observe_rounds(controller, k, seconds_per_round=0.010 if k else 0.004,
-                   acceptance=[0.98] * 3, rounds=50)
-  assert controller.choose() > 0
+  run_controller(controller, 4, seconds_per_round=lambda k: 0.004 + 0.002 * k,
+                 acceptance=[0.1] * 3)
+  # The drafter got good: the periodic re-measurements now accept almost everything.
+  choices = run_controller(controller, 8, seconds_per_round=lambda k: 0.004 + 0.002 * k,
+                           acceptance=[0.98] * 3, rounds=50)
+  assert choices[-1] > 0
 
 
 @pytest.mark.parametrize("field, value", [("k_max", 0), ("min_gain", 0.5),
@@ -125,13 +142,17 @@ def test_adaptive_speculation_follows_the_exact_joint_distribution(target, noisy
   assert set(out.stats["round_seconds_by_draft_length"]) == lengths_used
 
 
-def test_adaptive_greedy_output_is_identical_to_plain_greedy(target, noisy_drafter):
+@pytest.mark.parametrize("drafter_name", ["draft_model", "ngram"])
+def test_adaptive_greedy_output_is_identical_to_plain_greedy(target, noisy_drafter,
+                                                             drafter_name):
+  # The n-gram drafter keeps no state: its "off" rounds are plain decoding steps.
+  drafter = noisy_drafter if drafter_name == "draft_model" else drafters.NGram(n=2)
   prompts = [[5], [3, 10, 11], [9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8], [11, 0, 1, 2, 4]]
   sampling = SamplingParams(temperature=0.0, max_new_tokens=12)
   engine = EngineConfig(page_size=4, num_slots=2)  # slots are refilled mid-flight
   plain = generate(target, prompts, sampling=sampling, engine=engine)
   adaptive = generate(target, prompts, sampling=sampling, engine=engine,
-                      drafter=noisy_drafter,
+                      drafter=drafter,
                       spec=SpecConfig(num_draft_tokens=3, adaptive=True,
                                       rounds_per_decision=2))
   np.testing.assert_array_equal(adaptive.tokens, plain.tokens)

@@ -165,10 +165,15 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   while True:
     k = controller.choose()
     began = time.perf_counter()
-    state = _continue(graphdef, params, drafter_params, state, prompts, sampling=sampling,
-                      layout=layout, drafter=drafter, topology=TreeTopology((1,) * k),
-                      draft_mode=draft_mode, max_rounds=rounds_per_decision,
-                      max_pending=longest + 1)
+    if k == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
+      state = _continue(graphdef, params, (), state, prompts, sampling=sampling,
+                        layout=layout, drafter=None, topology=None, draft_mode=None,
+                        max_rounds=rounds_per_decision)
+    else:
+      state = _continue(graphdef, params, drafter_params, state, prompts, sampling=sampling,
+                        layout=layout, drafter=drafter, topology=TreeTopology((1,) * k),
+                        draft_mode=draft_mode, max_rounds=rounds_per_decision,
+                        max_pending=longest + 1)
     now, done = jax.device_get((state.counters, is_done(state, num_requests)))
     controller.observe(
         k, int(now["target_calls"] - counters["target_calls"]), time.perf_counter() - began,

@@ -8,10 +8,12 @@ seconds per round, and picks the k with the most expected tokens per second (the
 ``sim.SpeculationCostModel`` arithmetic: 1 + sum_i prod_{j<=i} a_j tokens per round).
 
 Exploration: the first decision drafts the longest chain (measuring every position's
-acceptance and the costliest round), the second runs plain rounds (the baseline);
-round times of lengths not yet run are interpolated by a line through the measured
-ones. While plain decoding wins, every ``explore_every``-th decision drafts the
-longest chain again so that a drafter that improves (online training) is noticed.
+acceptance and the costliest round), the second runs plain rounds (the baseline), then
+every other length runs once, longest first. A length that has run is scored by what
+it measured itself (tokens per slot-round and seconds per round); one that has not, by
+the acceptance model and a line through the measured round times. While plain
+decoding wins, every ``explore_every``-th decision drafts the longest chain again so
+that a drafter that improves (online training) is noticed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class DraftLengthController:
   accepted_D: np.ndarray = dataclasses.field(init=False)
   reached_D: np.ndarray = dataclasses.field(init=False)
   round_seconds: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
+  tokens_per_slot_round: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
   history: list[tuple[int, int]] = dataclasses.field(init=False, default_factory=list)
 
   def __post_init__(self):
@@ -73,7 +76,12 @@ class DraftLengthController:
     return max(float(intercept + slope * k), 1e-9)
 
   def tokens_per_second(self, k: int) -> float:
-    tokens = 1.0 if k == 0 else expected_tokens_per_round(tuple(self.acceptance()), k)
+    if k == 0:
+      tokens = 1.0
+    elif k in self.tokens_per_slot_round:
+      tokens = self.tokens_per_slot_round[k]
+    else:
+      tokens = expected_tokens_per_round(tuple(self.acceptance()), k)
     return tokens / self.predicted_round_seconds(k)
 
   def choose(self) -> int:
@@ -82,6 +90,9 @@ class DraftLengthController:
       return self.k_max
     if 0 not in self.round_seconds:
       return 0
+    untried = [k for k in range(self.k_max, 0, -1) if k not in self.round_seconds]
+    if untried:
+      return untried[0]
     best = max(range(1, self.k_max + 1), key=self.tokens_per_second)
     if self.tokens_per_second(best) >= self.min_gain * self.tokens_per_second(0):
       return best
@@ -99,9 +110,13 @@ class DraftLengthController:
     previous = self.round_seconds.get(k)
     self.round_seconds[k] = (per_round if previous is None
                              else self.smoothing * per_round + (1 - self.smoothing) * previous)
-    if k == 0:
+    if k == 0 or drafted_slot_rounds <= 0:
       return
     accepted = np.asarray(accepted_D[:k], np.float64)
+    tokens = 1.0 + accepted.sum() / drafted_slot_rounds
+    previous = self.tokens_per_slot_round.get(k)
+    self.tokens_per_slot_round[k] = (tokens if previous is None else
+                                     self.smoothing * tokens + (1 - self.smoothing) * previous)
     # Position 0 is reached by every drafting slot-round, position i by those that
     # accepted position i - 1.
     reached = np.concatenate([[drafted_slot_rounds], accepted[:-1]])

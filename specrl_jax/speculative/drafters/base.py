@@ -63,6 +63,9 @@ class Drafter(abc.ABC):
   # Target layers whose outputs the drafter reads from verification (EAGLE-3: low,
   # middle, high). Empty for drafters that do not read hidden states.
   hidden_layers: tuple[int, ...] = ()
+  # True when the drafter keeps nothing between rounds (reads only the token history):
+  # a round that drafts nothing is then a plain decoding step, with no drafter call.
+  stateless: bool = False
 
   def check_target(self, target_config) -> None:
     """Raises a clear error when this drafter cannot serve ``target_config``."""

@@ -59,6 +59,8 @@ class NGram(Drafter):
   nothing, so that slot decodes one token that round.
   """
 
+  stateless = True  # matches against the token history only
+
   def __init__(self, n: int = 3, min_n: int = 1, vocab_size: int | None = None):
     if not isinstance(n, int) or n < 1:
       raise ConfigError(f"NGram.n={n!r} is invalid: expected a positive integer.")
