@@ -53,6 +53,14 @@ def test_controller_measures_the_longest_draft_then_plain_then_every_other_lengt
   assert controller.round_seconds == {k: pytest.approx(0.004 + 0.001 * k) for k in range(5)}
 
 
+def test_a_batch_without_a_clean_timing_leaves_the_length_to_be_measured_again():
+  # A length's first batch includes compiling it: its time says nothing about a round.
+  controller = DraftLengthController(k_max=2)
+  controller.observe(2, 8, None, np.array([40.0, 20.0]), 64)
+  assert controller.round_seconds == {} and controller.reached_D[0] == 64
+  assert controller.choose() == 2
+
+
 def test_controller_picks_the_length_with_most_tokens_per_second():
   # Rounds cost 4 ms + 1 ms per draft; the first two drafts are almost always accepted,
   # deeper ones rarely: k = 2 emits 2.85 tokens in 6 ms (k = 1: 1.95 in 5, k = 3: 2.99

@@ -157,26 +157,29 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                      f"num_draft_tokens={longest}: they must match.")
   first_decision = len(controller.history)
   drafter_params = drafter.params()
-  num_requests = inputs[2].shape[0]
   start = time.perf_counter()
   state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
                           layout=layout, drafter=drafter, topology=topology)
   counters = jax.device_get(state.counters)
   while True:
     k = controller.choose()
+    compiled_before = _continue_and_report._cache_size()
     began = time.perf_counter()
     if k == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
-      state = _continue(graphdef, params, (), state, prompts, sampling=sampling,
-                        layout=layout, drafter=None, topology=None, draft_mode=None,
-                        max_rounds=rounds_per_decision)
+      state, report = _continue_and_report(
+          graphdef, params, (), state, prompts, sampling=sampling, layout=layout,
+          drafter=None, topology=None, draft_mode=None, max_rounds=rounds_per_decision)
     else:
-      state = _continue(graphdef, params, drafter_params, state, prompts, sampling=sampling,
-                        layout=layout, drafter=drafter, topology=TreeTopology((1,) * k),
-                        draft_mode=draft_mode, max_rounds=rounds_per_decision,
-                        max_pending=longest + 1)
-    now, done = jax.device_get((state.counters, is_done(state, num_requests)))
+      state, report = _continue_and_report(
+          graphdef, params, drafter_params, state, prompts, sampling=sampling, layout=layout,
+          drafter=drafter, topology=TreeTopology((1,) * k), draft_mode=draft_mode,
+          max_rounds=rounds_per_decision, max_pending=longest + 1)
+    now, done = jax.device_get(report)
+    seconds = time.perf_counter() - began
+    # A length's first batch includes compiling it: keep its acceptance, not its time.
+    compiled = _continue_and_report._cache_size() > compiled_before
     controller.observe(
-        k, int(now["target_calls"] - counters["target_calls"]), time.perf_counter() - began,
+        k, int(now["target_calls"] - counters["target_calls"]), None if compiled else seconds,
         now["accepted_per_position"] - counters["accepted_per_position"],
         int(now["draft_rounds"] - counters["draft_rounds"]))
     counters = now
@@ -367,5 +370,15 @@ def rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_r
 _STATIC = ("graphdef", "sampling", "layout", "drafter", "topology", "draft_mode")
 _generate = jax.jit(rollout, static_argnames=_STATIC)
 _start = jax.jit(start_rollout, static_argnames=_STATIC[:-1])
-_continue = jax.jit(continue_rollout, static_argnames=_STATIC + ("max_rounds", "max_pending"),
-                    donate_argnames=("state",))
+
+
+def _continue_reporting(graphdef, params, drafter_params, state, prompts, **static):
+  """continue_rollout, also returning (counters, whether every request is done): the
+  adaptive engine reads these few scalars between batches of rounds."""
+  state = continue_rollout(graphdef, params, drafter_params, state, prompts, **static)
+  return state, (state.counters, is_done(state, prompts.prompt_of_request_R.shape[0]))
+
+
+_continue_and_report = jax.jit(_continue_reporting,
+                               static_argnames=_STATIC + ("max_rounds", "max_pending"),
+                               donate_argnames=("state",))

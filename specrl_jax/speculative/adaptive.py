@@ -86,7 +86,7 @@ class DraftLengthController:
 
   def choose(self) -> int:
     decision = len(self.history)
-    if decision == 0 or not self.round_seconds:
+    if not self.round_seconds:
       return self.k_max
     if 0 not in self.round_seconds:
       return 0
@@ -98,18 +98,20 @@ class DraftLengthController:
       return best
     return self.k_max if decision % self.explore_every == 0 else 0
 
-  def observe(self, k: int, rounds: int, seconds: float, accepted_D: np.ndarray,
+  def observe(self, k: int, rounds: int, seconds: float | None, accepted_D: np.ndarray,
               drafted_slot_rounds: int) -> None:
-    """After ``rounds`` rounds of length k took ``seconds``: ``accepted_D`` counts the
-    accepted drafts at each position (summed over slots) and ``drafted_slot_rounds``
-    the slot-rounds that drafted."""
+    """After ``rounds`` rounds of length k took ``seconds`` (None: not a clean timing,
+    e.g. it included compiling): ``accepted_D`` counts the accepted drafts at each
+    position (summed over slots) and ``drafted_slot_rounds`` the slot-rounds that
+    drafted."""
     self.history.append((k, rounds))
     if rounds <= 0:
       return
-    per_round = seconds / rounds
-    previous = self.round_seconds.get(k)
-    self.round_seconds[k] = (per_round if previous is None
-                             else self.smoothing * per_round + (1 - self.smoothing) * previous)
+    if seconds is not None:
+      per_round = seconds / rounds
+      previous = self.round_seconds.get(k)
+      self.round_seconds[k] = (per_round if previous is None else
+                               self.smoothing * per_round + (1 - self.smoothing) * previous)
     if k == 0 or drafted_slot_rounds <= 0:
       return
     accepted = np.asarray(accepted_D[:k], np.float64)
