@@ -10,7 +10,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("specrl_jax.demo", "short GRPO run with speculative rollouts on the default task"),
     "train": ("specrl_jax.rl.train_command",
-              "GRPO training: warm start, sync/async RL, metrics, checkpoints, plots"),
+              "GRPO training: warm start, sync/async RL, metrics, checkpoints, plots, "
+              "one or many processes"),
     "simulate": ("specrl_jax.sim.command",
                  "roofline simulation of an RL step, plain vs speculative rollouts"),
 }

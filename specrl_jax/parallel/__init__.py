@@ -1,5 +1,8 @@
-"""Mesh construction and partition rules (layers never name mesh axes themselves)."""
+"""Mesh construction and partition rules (layers never name mesh axes themselves), and
+multi-process start-up and transfers (``parallel.distributed``)."""
 
+from specrl_jax.parallel import distributed
+from specrl_jax.parallel.distributed import DistributedConfig, DistributedError, transfer
 from specrl_jax.parallel.mesh import (
     AXES, BATCH_AXES, batch_sharding, data_parallel_size, make_mesh, process_batch_rows,
     replicated, shard_batch,
@@ -10,7 +13,8 @@ from specrl_jax.parallel.rules import (
 )
 
 __all__ = [
-    "AXES", "BATCH_AXES", "PartitionRules", "TRANSFORMER_RULES", "batch_sharding",
-    "data_parallel_size", "make_mesh", "named_shardings", "partition_specs", "path_string",
-    "process_batch_rows", "replicated", "shard_batch", "spec_for",
+    "AXES", "BATCH_AXES", "DistributedConfig", "DistributedError", "PartitionRules",
+    "TRANSFORMER_RULES", "batch_sharding", "data_parallel_size", "distributed", "make_mesh",
+    "named_shardings", "partition_specs", "path_string", "process_batch_rows", "replicated",
+    "shard_batch", "spec_for", "transfer",
 ]
