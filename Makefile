@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-full results bench clean
+.PHONY: demo test test-full results results-quick bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,10 @@ test-full: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache results
+
+# Regenerates every README figure and table into results/ (hours on 2 cores; reuses artifacts/).
+results: $(STAMP)
+	$(PY) experiments/results.py
+
+results-quick: $(STAMP)
+	$(PY) experiments/results.py --quick
