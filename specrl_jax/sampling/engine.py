@@ -271,8 +271,7 @@ def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
   num_requests = prompts.prompt_of_request_R.shape[0]
 
   def pending(state):
-    busy = jnp.any(state.slot_request_N >= 0) | (state.next_request < num_requests)
-    return busy & ~state.pool.exhausted
+    return ~is_done(state, num_requests)
 
   # No lax.cond around these steps: a cond's untaken identity branch copies its whole
   # operand, i.e. every KV page, on each iteration. Each step is a no-op when its masks

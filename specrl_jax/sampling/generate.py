@@ -166,14 +166,14 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     compiled_before = _continue_and_report._cache_size()
     began = time.perf_counter()
     if k == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
-      state, report = _continue_and_report(
-          graphdef, params, (), state, prompts, sampling=sampling, layout=layout,
-          drafter=None, topology=None, draft_mode=None, max_rounds=rounds_per_decision)
+      rounds = dict(drafter_params=(), drafter=None, topology=None, draft_mode=None)
     else:
-      state, report = _continue_and_report(
-          graphdef, params, drafter_params, state, prompts, sampling=sampling, layout=layout,
-          drafter=drafter, topology=TreeTopology((1,) * k), draft_mode=draft_mode,
-          max_rounds=rounds_per_decision, max_pending=longest + 1)
+      rounds = dict(drafter_params=drafter_params, drafter=drafter,
+                    topology=TreeTopology((1,) * k), draft_mode=draft_mode,
+                    max_pending=longest + 1)
+    state, report = _continue_and_report(graphdef, params, state=state, prompts=prompts,
+                                         sampling=sampling, layout=layout,
+                                         max_rounds=rounds_per_decision, **rounds)
     now, done = jax.device_get(report)
     seconds = time.perf_counter() - began
     # A length's first batch includes compiling it: keep its acceptance, not its time.
