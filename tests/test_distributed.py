@@ -39,6 +39,7 @@ TRAIN_ARGS = ["--preset=tiny", "--policy.num_layers=1", "--warm_start.sft_steps=
               "--output.checkpoint_every=0", "--output.tensorboard=false",
               "--output.progress=false"]
 TIMING = ("step_seconds", "samples_per_second", "tokens_per_second")
+ASYNC_TIMING = {"rollout_seconds", "train_seconds", "exposed_rollout_seconds", "sync_seconds"}
 
 
 def _free_port() -> int:
@@ -314,6 +315,50 @@ def test_two_processes_take_the_sync_rl_steps_of_one(rl_runs):
       _close(ours[name], theirs[name])
   summary, quiet = rl_runs["outputs"]
   assert '"steps": 2' in summary and '"steps"' not in quiet
+
+
+ASYNC_ARGS = ["--rl.mode=async", "--rl.rollout_devices=4", "--rl.train_devices=4",
+              "--rl.max_policy_lag=1"]
+
+
+@pytest.fixture(scope="module")
+def async_rl_runs(rl_runs):
+  """Async RL with the rollout mesh on process 0 and the train mesh on process 1 (the
+  same device split as one process's devices 0-3 / 4-7), from the sync runs' warm start."""
+  root = rl_runs["root"]
+  for run in ("async_two", "async_one"):
+    shutil.copytree(root / "two" / "warm_start", root / run / "warm_start")
+  (root / "async_logs").mkdir()
+  _run_ok(_two_processes(
+      [sys.executable, "-m", "specrl_jax.rl.train_command", *TRAIN_ARGS, *ASYNC_ARGS,
+       f"--output.directory={root / 'async_two'}"]), root / "async_logs")
+  config = train_command.parse_argv([*TRAIN_ARGS, *ASYNC_ARGS,
+                                     f"--output.directory={root / 'async_one'}"])
+  session = train_command.Session(config, log=lambda message: None)
+  session.train(session.warm_start())
+  return dict(root=root, session=session)
+
+
+def test_async_rl_with_rollouts_and_training_on_different_processes_matches_one(async_rl_runs):
+  """Weights pushed from process 1's train mesh to process 0's rollout mesh, and
+  trajectories sent back, device to device: the steps one process takes."""
+  root = async_rl_runs["root"]
+  one = read_jsonl(root / "async_one" / "metrics.jsonl")
+  two = read_jsonl(root / "async_two" / "metrics.jsonl")
+  assert [r["step"] for r in two] == [0, 1]
+  assert [r["policy_lag"] for r in two] == [0, 1]
+  assert any(r["grad_norm"] > 0 for r in one)
+  for ours, theirs in zip(two, one):
+    assert ours.keys() == theirs.keys()
+    for name in ours.keys() - set(TIMING) - ASYNC_TIMING:
+      _close(ours[name], theirs[name])
+  with TrainCheckpointManager(root / "async_two" / "checkpoints") as manager:
+    assert manager.all_steps() == [2]
+    restored = manager.restore(async_rl_runs["session"].state)
+  ours = worker.flat(jax.device_get(restored.params))
+  theirs = worker.flat(jax.device_get(async_rl_runs["session"].state.params))
+  for name, value in ours.items():
+    _close(value, theirs[name])
 
 
 def test_the_two_process_rl_checkpoint_restores_on_one_to_the_same_parameters(rl_runs):

@@ -10,8 +10,11 @@ refuses anything older before it reaches the learner.
 
 Everything is dispatched from one host thread; JAX's asynchronous dispatch lets the
 two meshes run concurrently, and array dependencies order the work. After each update
-the new policy (and online drafter) weights are pushed to the rollout mesh with
-``jax.device_put`` onto the rollout shardings: a device-to-device reshard. The ratio
+the new policy (and online drafter) weights are pushed to the rollout mesh device to
+device with ``parallel.distributed.transfer`` (``jax.device_put`` when one process
+holds both meshes, a broadcast collective when they belong to different processes);
+trajectories and metrics travel the same way, so the two meshes may sit on different
+hosts. Every process runs this same loop (multi-controller JAX). The ratio
 correction for stale rollouts is the learner's truncated importance sampling
 (``GRPOConfig.tis_cap``) between the trainer's log-probs and the rollout's.
 """
@@ -30,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError, SpecConfig, check
+from specrl_jax.parallel import distributed
 from specrl_jax.parallel.mesh import batch_sharding
 from specrl_jax.rl.learner import LearnerConfig, TrainState, make_log_prob_step, make_train_step
 from specrl_jax.rl.online_drafters import OnlineDrafter
@@ -127,14 +131,17 @@ class AsyncPipeline:
     rollout mesh, replicated there (each rollout shard decodes with whole weights)."""
     drafter = (self.online.rollout_params(state.drafter_params) if self.online is not None
                else self._static_drafter_params)
-    return jax.device_put((state.params, drafter), self._replicated)
+    return distributed.transfer((state.params, drafter), self._replicated)
 
   def _to_train_mesh(self, trajectories: Trajectories) -> Trajectories:
-    rows = jax.tree.map(lambda x: self._train_rows, trajectories.batch)
-    return trajectories.replace(
-        batch=jax.device_put(trajectories.batch, rows),
-        **{name: jax.device_put(getattr(trajectories, name), NamedSharding(self.train_mesh, P()))
-           for name in ("rewards_R", "lengths_R", "counters", "exhausted", "policy_version")})
+    replicated = NamedSharding(self.train_mesh, P())
+    batch_layout = jax.tree.map(lambda x: self._train_rows, trajectories.batch)
+    rest = ("rewards_R", "lengths_R", "counters", "exhausted", "policy_version")
+    batch, moved = distributed.transfer(
+        (trajectories.batch, {name: getattr(trajectories, name) for name in rest}),
+        (batch_layout, {name: jax.tree.map(lambda x: replicated, getattr(trajectories, name))
+                        for name in rest}))
+    return trajectories.replace(batch=batch, **moved)
 
   # -------------------------------------------------------------- the loop
 
@@ -174,15 +181,17 @@ class AsyncPipeline:
         assert batch == update
         check_lag(update, version, lag)
         self.trained_on.append((update, version))
+        trajectories = self._to_train_mesh(trajectories)
         rollout_stats = rollout_metrics(trajectories, self.max_new_tokens)
         train_started = time.perf_counter()
-        state, metrics = self._train(state, self._to_train_mesh(trajectories))
+        state, metrics = self._train(state, trajectories)
         train_ready = _when_ready(pool, (state.params, metrics))
         push_started = time.perf_counter()
         pushed, pushed_version = self.push_weights(state), update + 1
         push_ready = _when_ready(pool, pushed)
 
-        host = to_host({**metrics, **rollout_stats})
+        # Read on every process, wherever the train mesh lives.
+        host = to_host(distributed.fetch({**metrics, **rollout_stats}))
         rollout_done, train_done, push_done = ready.result(), train_ready.result(), push_ready.result()
         rollout_seconds = rollout_done - max(started, last_rollout_ready)
         train_seconds = train_done - max(train_started, rollout_done, last_train_ready)

@@ -195,11 +195,6 @@ class Session:
                           f"processes have {len(devices)}: a multi-process mesh must use "
                           "every device (each process feeds its own).")
       return make_mesh(rl.mesh, devices=devices[:size]), None
-    if processes > 1:
-      raise ConfigError(
-          f"rl.mode='async' over {processes} processes is not supported yet: its pipeline "
-          "moves weights and trajectories with jax.device_put, which cannot cross "
-          "processes (parallel.distributed.transfer can). Use rl.mode=sync, or one process.")
     needed = rl.rollout_devices + rl.train_devices
     if needed > len(devices):
       raise ConfigError(f"async RL with rollout_devices={rl.rollout_devices} and train_devices="
