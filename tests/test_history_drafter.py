@@ -22,6 +22,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -33,10 +34,9 @@ from specrl_jax.sampling.generate import prepare, rollout
 from specrl_jax.speculative.drafters.base import RoundInputs
 from specrl_jax.speculative.drafters.history import (SOURCE_FALLBACK, SOURCE_HISTORY,
                                                      SOURCE_NONE, History, HistoryConfig,
-                                                     HistoryStore, extend_runs,
-                                                     longest_match_log_probs, prompt_key,
-                                                     prompt_keys, suffix_runs)
-from specrl_jax.speculative.drafters.ngram import continuation_log_probs
+                                                     HistoryStore, prompt_key, prompt_keys)
+from specrl_jax.speculative.drafters.matching import (extend_runs, longest_match_log_probs,
+                                                      suffix_runs)
 from specrl_jax.speculative.verify import Verdict
 
 VOCAB = 12
@@ -293,16 +293,55 @@ def test_the_bank_holds_earlier_calls_and_the_fallback_covers_short_matches():
   np.testing.assert_array_equal(state.root_source_N, [SOURCE_HISTORY, SOURCE_FALLBACK])
 
 
-def test_the_matcher_proposes_what_the_ngram_drafter_proposes():
-  # Same q as ngram.continuation_log_probs (one slot's history, -1 past its length),
-  # for single and pooled match lengths; a small alphabet makes long matches common.
+def largest_ngram_reference(history_NxC, lengths_N, context_NxWxL, vocab_size: int, max_n: int,
+                            min_n: int):
+  """The matcher's specification, one n at a time: log q [N, W, V] over the token that
+  followed earlier occurrences of the context's last n tokens in the history, for the
+  largest n in [min_n, max_n] that occurs.
+
+  Occurrences are weighted by recency (1 + position / C) so the most recent
+  continuation wins ties, as in serving engines' prompt-lookup drafting. Rows with no
+  occurrence get -inf everywhere (nothing to propose).
+  """
+  num_slots, context = history_NxC.shape
+  width = context_NxWxL.shape[1]
+  log_q = jnp.full((num_slots, width, vocab_size), -jnp.inf)
+  found_NxW = jnp.zeros((num_slots, width), bool)
+  slot_NxWxC = jnp.broadcast_to(jnp.arange(num_slots)[:, None, None], (num_slots, width, context))
+  node_NxWxC = jnp.broadcast_to(jnp.arange(width)[None, :, None], (num_slots, width, context))
+  for n in range(max_n, min_n - 1, -1):
+    starts = context - n
+    windows_NxSxn = jnp.stack([history_NxC[:, i:i + starts] for i in range(n)], axis=-1)
+    suffix_NxWxn = context_NxWxL[:, :, -n:]
+    match_NxWxS = jnp.all(windows_NxSxn[:, None] == suffix_NxWxn[:, :, None], axis=-1)
+    match_NxWxS &= jnp.all(suffix_NxWxn >= 0, axis=-1)[..., None]
+    start_S = jnp.arange(starts)
+    # The continuation must itself be in the history.
+    match_NxWxS &= (start_S[None, None, :] + n) < lengths_N[:, None, None]
+    weight_NxWxS = match_NxWxS * (1.0 + start_S / context)
+    next_NxS = history_NxC[:, n:n + starts]
+    counts = jnp.zeros((num_slots, width, vocab_size)).at[
+        slot_NxWxC[..., :starts], node_NxWxC[..., :starts],
+        jnp.broadcast_to(jnp.maximum(next_NxS, 0)[:, None], match_NxWxS.shape)].add(weight_NxWxS)
+    total = jnp.sum(counts, axis=-1, keepdims=True)
+    level_log_q = jnp.where(counts > 0, jnp.log(counts / jnp.where(total > 0, total, 1.0)),
+                            -jnp.inf)
+    use_NxW = ~found_NxW & (total[..., 0] > 0)
+    log_q = jnp.where(use_NxW[..., None], level_log_q, log_q)
+    found_NxW |= use_NxW
+  return log_q
+
+
+def test_the_matcher_proposes_the_continuations_of_the_largest_matching_ngram():
+  # One pass over match lengths gives the q of trying n = max_n .. min_n in turn (one
+  # slot's history, -1 past its length); a small alphabet makes long matches common.
   rng = np.random.default_rng(0)
   history = rng.integers(0, 4, (16, 40)).astype(np.int32)
   lengths = rng.integers(1, 41, 16).astype(np.int32)
   history[np.arange(40)[None, :] >= lengths[:, None]] = -1
   context = rng.integers(-1, 4, (16, 5, 6)).astype(np.int32)
   for max_n, min_n in [(1, 1), (3, 1), (6, 2)]:
-    expected = jax.jit(continuation_log_probs, static_argnums=(3, 4, 5))(
+    expected = jax.jit(largest_ngram_reference, static_argnums=(3, 4, 5))(
         history, lengths, context, 7, max_n, min_n)
     actual = jax.jit(longest_match_log_probs, static_argnums=(2, 3, 4))(history, context, 7,
                                                                         max_n, min_n)
