@@ -12,6 +12,7 @@ Studies (in order; later ones reuse what earlier ones trained and cached in arti
   train_drafter  MTP / EAGLE-3 trained offline; frozen vs online drafter over RL steps
   k_sweep        acceptance length and speedup vs k: n-gram, draft model, MTP, EAGLE-3
   bench_spec     speculative vs plain wall clock, draft model and n-gram, batch 1 / 8
+  sim_vs_measured  the simulator's cost model vs measured decode times (medium pair)
   bench_history  rollout-history drafting over RL epochs
   bench_rl       RL step time: sync vs async, with and without speculation
   reward_curves  GRPO reward with and without speculation over seeds
@@ -105,12 +106,17 @@ def collect_reward_curves(study: Study, paths: Paths, stdout: str) -> None:
   _copy(folder / "reward_curves.png", paths.out / "reward_curves.png")
 
 
+def stdout_json(study: Study, paths: Paths, stdout: str) -> dict:
+  """Saves the JSON a script printed as <name>.json (and returns it)."""
+  payload = last_json(stdout)
+  (paths.out / f"{study.name}.json").write_text(json.dumps(payload, indent=2))
+  return payload
+
+
 def stdout_and_plot(plot: Callable[[dict, Path], None]):
   """Collects a script that prints JSON: saves it as <name>.json and plots <name>.png."""
   def collect(study: Study, paths: Paths, stdout: str) -> None:
-    payload = last_json(stdout)
-    (paths.out / f"{study.name}.json").write_text(json.dumps(payload, indent=2))
-    plot(payload, paths.out / f"{study.name}.png")
+    plot(stdout_json(study, paths, stdout), paths.out / f"{study.name}.png")
   return collect
 
 
@@ -234,6 +240,13 @@ STUDIES: tuple[Study, ...] = (
           quick=lambda p: ["--batches", "2", "--ks", "1", "2", "--repeats", "1", "--no-trees"],
           outputs=("bench_spec.json", "bench_spec.png"),
           collect=stdout_and_plot(plot_bench_spec)),
+    Study(name="sim_vs_measured", script="sim_vs_measured.py",
+          args=lambda p: ["--size", "medium", "--batches", "1", "2", "4", "8",
+                          "--ks", "1", "2", "3", "4", "5", "--new-tokens", "32",
+                          "--repeats", "3", "--png", str(p.out / "sim_vs_measured.png")],
+          quick=lambda p: ["--batches", "1", "2", "--ks", "1", "2", "--new-tokens", "8",
+                           "--repeats", "1", "--png", str(p.out / "sim_vs_measured.png")],
+          outputs=("sim_vs_measured.json", "sim_vs_measured.png"), collect=stdout_json),
     Study(name="bench_history", script="bench_history.py",
           args=lambda p: ["--out", str(p.out)],
           quick=lambda p: ["--epochs", "2", "--prompts", "4", "--group", "4", "--slots", "16",

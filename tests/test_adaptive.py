@@ -45,12 +45,13 @@ def run_controller(controller, decisions, *, seconds_per_round, acceptance, roun
   return choices
 
 
-def test_controller_measures_the_longest_draft_then_plain_then_every_other_length():
+def test_controller_measures_the_longest_draft_then_plain_then_the_shortest_then_the_best():
+  # 0.9 acceptance at 4 ms + 1 ms per draft: the longest chain is the fastest.
   controller = DraftLengthController(k_max=4)
   choices = run_controller(controller, 5, seconds_per_round=lambda k: 0.004 + 0.001 * k,
                            acceptance=[0.9] * 4)
-  assert choices == [4, 0, 3, 2, 1]
-  assert controller.round_seconds == {k: pytest.approx(0.004 + 0.001 * k) for k in range(5)}
+  assert choices == [4, 0, 1, 4, 4]
+  assert controller.round_seconds == {k: pytest.approx(0.004 + 0.001 * k) for k in (0, 1, 4)}
 
 
 def test_a_batch_without_a_clean_timing_leaves_the_length_to_be_measured_again():
@@ -69,7 +70,7 @@ def test_controller_picks_the_length_with_most_tokens_per_second():
   controller = DraftLengthController(k_max=6)
   choices = run_controller(controller, 12, seconds_per_round=lambda k: 0.004 + 0.001 * k,
                            acceptance=acceptance)
-  assert choices[7:] == [2] * 5
+  assert choices[:3] == [6, 0, 1] and choices[3:] == [2] * 9
   np.testing.assert_allclose(controller.acceptance()[:4], acceptance[:4], atol=0.02)
 
 
@@ -80,6 +81,16 @@ def test_controller_predicts_untried_lengths_from_the_acceptance_model():
   observe_rounds(controller, 0, seconds_per_round=0.004, acceptance=[])
   assert controller.predicted_round_seconds(2) == pytest.approx(0.006)
   assert max(range(1, 7), key=controller.tokens_per_second) == 2
+
+
+def test_untried_lengths_are_timed_on_the_drafting_lengths_line_not_through_plain():
+  # A drafting round carries a fixed cost a plain step does not (8 ms + 1 ms per draft
+  # vs 4 ms): k = 2 is predicted at 10 ms, not at the 8 ms of a line through plain.
+  controller = DraftLengthController(k_max=4)
+  for k, seconds in ((4, 0.012), (0, 0.004), (1, 0.009)):
+    observe_rounds(controller, k, seconds_per_round=seconds, acceptance=[0.5] * 4)
+  assert controller.predicted_round_seconds(2) == pytest.approx(0.010)
+  assert controller.predicted_round_seconds(3) == pytest.approx(0.011)
 
 
 def test_controller_falls_back_to_plain_decoding_when_speculation_loses():

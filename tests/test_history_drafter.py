@@ -19,18 +19,16 @@ What must hold:
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from specrl_jax import drafters, testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import prepare, rollout
+from specrl_jax.sampling.generate import generate
 from specrl_jax.speculative.drafters.base import RoundInputs
 from specrl_jax.speculative.drafters.history import (SOURCE_FALLBACK, SOURCE_HISTORY,
                                                      SOURCE_NONE, History, HistoryConfig,
@@ -55,12 +53,9 @@ SMALL = dict(rollouts_per_prompt=4, rollout_tokens=24, siblings=2, finished_roll
 class Run:
   tokens: np.ndarray
   lengths: np.ndarray
-  counters: dict[str, Any]
-  history: dict[str, float]
-
-  @property
-  def per_position_acceptance(self) -> np.ndarray:
-    return self.counters["accepted_per_position"] / self.counters["draft_rounds"]
+  draft_rounds: int
+  per_position_acceptance: np.ndarray
+  history: dict[str, float]  # the History drafter's per-source statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,22 +65,13 @@ class _Output:
   lengths: np.ndarray
 
 
-_rollout = jax.jit(rollout, static_argnames=("graphdef", "sampling", "layout", "drafter",
-                                              "topology", "draft_mode"))
-
-
 def run(model, prompts, *, sampling, drafter=None, spec=None, engine=ENGINE, seed=0) -> Run:
-  """``generate``, keeping the final drafter state for the per-source statistics."""
-  inputs, layout, bound, topology, mode = prepare(model.config, prompts, sampling, engine,
-                                                  drafter, spec)
-  graphdef, params = nnx.split(model)
-  final = jax.device_get(_rollout(graphdef, params, bound.params() if bound else (), *inputs,
-                                  jax.random.key(seed), sampling=sampling, layout=layout,
-                                  drafter=bound, topology=topology, draft_mode=mode))
-  assert not final.pool.exhausted
-  return Run(tokens=np.asarray(final.out_tokens_RxL), lengths=np.asarray(final.out_lengths_R),
-             counters={k: np.asarray(v) for k, v in final.counters.items()},
-             history=bound.stats(final.drafter) if isinstance(bound, History) else {})
+  out = generate(model, prompts, sampling=sampling, rng=jax.random.key(seed), drafter=drafter,
+                 spec=spec, engine=engine)
+  return Run(tokens=out.tokens, lengths=out.lengths,
+             draft_rounds=out.stats.get("draft_rounds", 0),
+             per_position_acceptance=np.asarray(out.stats["per_position_acceptance"]),
+             history=out.stats.get("drafter", {}) if isinstance(drafter, History) else {})
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +144,7 @@ def test_sampled_output_follows_the_exact_joint_distribution(cell, target, fallb
     assert out.history["fallback_rounds"] > 0, out.history
     assert out.history["silent_rounds"] == 0, out.history
   assert (out.history["history_rounds"] + out.history["fallback_rounds"]
-          + out.history["silent_rounds"]) == out.counters["draft_rounds"]
+          + out.history["silent_rounds"]) == out.draft_rounds
 
 
 # --- temperature 0: identical to plain greedy, repeats fully predicted ---------------
@@ -190,7 +176,7 @@ def test_greedy_output_is_plain_greedy_and_known_prompts_are_fully_drafted(
   # Every round of every request drafts from the bank and every draft is accepted: the
   # 15 tokens after the first take ceil(15 / 4) = 4 rounds per request.
   rounds = 4 * len(GREEDY_PROMPTS)
-  assert again.history["history_rounds"] == again.counters["draft_rounds"] == rounds
+  assert again.history["history_rounds"] == again.draft_rounds == rounds
   assert again.history["history_acceptance_length"] == 4.0
   assert again.history["fallback_rounds"] == 0
 

@@ -500,3 +500,17 @@ def test_with_speculation_changes_only_the_draft():
   assert changed.speculation.num_draft_tokens == 5
   assert changed.replace(speculation=setup.speculation) == setup
   assert math.isclose(changed.speculation.acceptance[0], setup.speculation.acceptance[0])
+
+
+def test_a_batch_decodes_until_its_slowest_sequence_has_its_tokens():
+  from specrl_jax.sim.cost_model import expected_batch_rounds
+  assert expected_batch_rounds(8, 0, [0.5], 40) == 40  # plain: one token per round
+  assert expected_batch_rounds(8, 3, [1.0], 40) == 10  # every draft accepted
+  assert expected_batch_rounds(8, 3, [0.0], 40) == 40  # none accepted
+  one = expected_batch_rounds(1, 3, [0.7], 40)
+  # One sequence needs about new_tokens / tokens-per-round rounds; a batch waits for
+  # the unluckiest of its sequences.
+  assert one == pytest.approx(40 / (1 + 0.7 + 0.49 + 0.343), rel=0.05)
+  assert expected_batch_rounds(8, 3, [0.7], 40) > one + 1
+  with pytest.raises(ConfigError, match="new_tokens"):
+    expected_batch_rounds(8, 3, [0.7], 0)

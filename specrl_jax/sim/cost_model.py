@@ -226,6 +226,19 @@ class SpeculationCostModel:
     return (self.round_seconds(batch_size, k)
             / self.expected_tokens_per_round(k, per_position_acceptance))
 
+  def batch_decode_seconds(self, batch_size: int, k: int,
+                           per_position_acceptance: Sequence[float], new_tokens: int, *,
+                           samples: int = 4000, seed: int = 0) -> float:
+    """Predicted time for a batch of ``batch_size`` sequences to each decode
+    ``new_tokens`` tokens (no stop tokens): expected rounds of the slowest sequence
+    times the round time. With speculation the sequences need different numbers of
+    rounds and the batch runs until the last finishes; the expectation of that
+    maximum is taken over ``samples`` simulated batches (acceptance per position as
+    in ``expected_tokens_per_round``)."""
+    return (self.round_seconds(batch_size, k)
+            * expected_batch_rounds(batch_size, k, per_position_acceptance, new_tokens,
+                                    samples=samples, seed=seed))
+
   def best_k(self, batch_size: int, per_position_acceptance: Sequence[float], k_max: int,
              *, min_gain: float = 1.0) -> int:
     """The draft length with the highest expected tokens/s; 0 (plain decoding) unless
@@ -242,3 +255,27 @@ class SpeculationCostModel:
       if rate > best_rate:
         best, best_rate = k, rate
     return best if best_rate >= min_gain * plain else 0
+
+
+def expected_batch_rounds(batch_size: int, k: int, per_position_acceptance: Sequence[float],
+                          new_tokens: int, *, samples: int = 4000, seed: int = 0) -> float:
+  """Expected number of rounds until all ``batch_size`` sequences have ``new_tokens``
+  tokens, each round emitting 1 + (accepted drafts of ``k``) per sequence, drafts
+  accepted in order with the conditional rates given (the last one repeats)."""
+  validation.positive_int("expected_batch_rounds", "batch_size", batch_size)
+  validation.non_negative_int("expected_batch_rounds", "k", k)
+  validation.positive_int("expected_batch_rounds", "new_tokens", new_tokens)
+  validation.positive_int("expected_batch_rounds", "samples", samples)
+  if k == 0:
+    return float(new_tokens)
+  rates = _check_acceptance(per_position_acceptance)
+  rates = np.array([rates[min(i, len(rates) - 1)] for i in range(k)])
+  rng = np.random.default_rng(seed)
+  emitted = np.zeros((samples, batch_size), np.int64)
+  rounds = np.zeros((samples, batch_size), np.int64)
+  while (emitted < new_tokens).any():
+    live = emitted < new_tokens
+    accepted = np.cumprod(rng.random((samples, batch_size, k)) < rates, axis=-1).sum(-1)
+    emitted += live * (1 + accepted)
+    rounds += live
+  return float(rounds.max(axis=1).mean())

@@ -7,13 +7,15 @@ often a draft there was accepted once reached, and per draft length the measured
 seconds per round, and picks the k with the most expected tokens per second (the
 ``sim.SpeculationCostModel`` arithmetic: 1 + sum_i prod_{j<=i} a_j tokens per round).
 
-Exploration: the first decision drafts the longest chain (measuring every position's
-acceptance and the costliest round), the second runs plain rounds (the baseline), then
-every other length runs once, longest first. A length that has run is scored by what
-it measured itself (tokens per slot-round and seconds per round); one that has not, by
-the acceptance model and a line through the measured round times. While plain
-decoding wins, every ``explore_every``-th decision drafts the longest chain again so
-that a drafter that improves (online training) is noticed.
+Exploration is short, because rollouts are: the first decisions draft the longest
+chain (measuring every position's acceptance and the costliest round), then run plain
+rounds (the baseline), then the shortest chain. Tokens per round of every length then
+follow from the pooled per-position acceptance (a chain of k drafts the same first k
+tokens whatever k is), and round times of lengths not yet run from the line through
+the measured drafting lengths (k drafter steps plus a verify of k + 1 tokens: linear
+in k; a plain step is not on that line). The best length is run, and measured, from
+then on. While plain decoding wins, every ``explore_every``-th decision drafts the
+longest chain again so that a drafter that improves (online training) is noticed.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class DraftLengthController:
 
   k_max: the longest chain allowed. min_gain: speculation must beat plain decoding by
   this factor to be chosen (hysteresis against timing noise). smoothing: weight of the
-  newest round time in each length's running mean (later rounds run a smaller tail
-  batch, so old times go stale).
+  newest batch in each length's running mean round time and in the acceptance counts
+  (later rounds run a smaller tail batch and the drafter may improve, so old
+  measurements go stale).
   """
 
   k_max: int
@@ -43,7 +46,6 @@ class DraftLengthController:
   accepted_D: np.ndarray = dataclasses.field(init=False)
   reached_D: np.ndarray = dataclasses.field(init=False)
   round_seconds: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
-  tokens_per_slot_round: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
   history: list[tuple[int, int]] = dataclasses.field(init=False, default_factory=list)
 
   def __post_init__(self):
@@ -67,21 +69,19 @@ class DraftLengthController:
     return rates
 
   def predicted_round_seconds(self, k: int) -> float:
-    measured = sorted(self.round_seconds)
     if k in self.round_seconds:
       return self.round_seconds[k]
+    measured = sorted(self.round_seconds)
+    drafting = [m for m in measured if m > 0]
+    if k > 0 and len(drafting) >= 2:
+      measured = drafting
     if len(measured) == 1:
       return self.round_seconds[measured[0]]
     slope, intercept = np.polyfit(measured, [self.round_seconds[m] for m in measured], 1)
     return max(float(intercept + slope * k), 1e-9)
 
   def tokens_per_second(self, k: int) -> float:
-    if k == 0:
-      tokens = 1.0
-    elif k in self.tokens_per_slot_round:
-      tokens = self.tokens_per_slot_round[k]
-    else:
-      tokens = expected_tokens_per_round(tuple(self.acceptance()), k)
+    tokens = 1.0 if k == 0 else expected_tokens_per_round(tuple(self.acceptance()), k)
     return tokens / self.predicted_round_seconds(k)
 
   def choose(self) -> int:
@@ -90,9 +90,8 @@ class DraftLengthController:
       return self.k_max
     if 0 not in self.round_seconds:
       return 0
-    untried = [k for k in range(self.k_max, 0, -1) if k not in self.round_seconds]
-    if untried:
-      return untried[0]
+    if 1 not in self.round_seconds:
+      return 1
     best = max(range(1, self.k_max + 1), key=self.tokens_per_second)
     if self.tokens_per_second(best) >= self.min_gain * self.tokens_per_second(0):
       return best
@@ -115,12 +114,11 @@ class DraftLengthController:
     if k == 0 or drafted_slot_rounds <= 0:
       return
     accepted = np.asarray(accepted_D[:k], np.float64)
-    tokens = 1.0 + accepted.sum() / drafted_slot_rounds
-    previous = self.tokens_per_slot_round.get(k)
-    self.tokens_per_slot_round[k] = (tokens if previous is None else
-                                     self.smoothing * tokens + (1 - self.smoothing) * previous)
     # Position 0 is reached by every drafting slot-round, position i by those that
     # accepted position i - 1.
     reached = np.concatenate([[drafted_slot_rounds], accepted[:-1]])
-    self.accepted_D[:k] += accepted
-    self.reached_D[:k] += reached
+    # Older counts fade like the round times, so a drafter that improves (online
+    # training) or a new phase of the rollout shows within a few decisions.
+    keep = 1 - self.smoothing
+    self.accepted_D[:k] = keep * self.accepted_D[:k] + accepted
+    self.reached_D[:k] = keep * self.reached_D[:k] + reached
