@@ -2,7 +2,8 @@
 
 Target: a model SFT'd on the arithmetic task (experiments/spec_pair.py; --size small is
 4 x 384, medium 6 x 768); drafters: a 1-layer draft model distilled from it, and the
-training-free n-gram drafter. Temperature 1, EOS stops. For batch 1 / 8 / 32: chains
+training-free n-gram drafter; with --learned also MTP and EAGLE-3 heads trained
+offline for the target (spec_pair.load_or_train_heads). Temperature 1, EOS stops. For batch 1 / 8 / 32: chains
 k = 1..7, static trees and adaptive k, acceptance length and tokens/s against plain
 decoding timed in the same run (interleaved, best of N). Also the cost breakdown a
 round is made of, timed on the same weights: one target forward over 1 and k + 1
@@ -10,6 +11,7 @@ tokens per sequence (verification) and one drafter step.
 
   python experiments/bench_spec.py [--size small|medium] [--batches 1 8 32]
       [--ks 1 2 3 4 5 6 7] [--repeats 3] [--no-trees] [--no-ngram] [--no-adaptive]
+      [--learned] [--adaptive-warmup 6]
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def main(argv=None) -> int:
   parser.add_argument("--no-ngram", action="store_true")
   parser.add_argument("--no-adaptive", action="store_true")
   parser.add_argument("--size", choices=sorted(spec_pair.SIZES), default="small")
+  parser.add_argument("--adaptive-warmup", type=int, default=6,
+                      help="untimed calls that warm an adaptive controller up")
+  parser.add_argument("--learned", action="store_true",
+                      help="also MTP and EAGLE-3 heads trained for the target (cached)")
   args = parser.parse_args(argv)
 
   target, draft = spec_pair.load_or_train(size=args.size)
@@ -59,6 +65,8 @@ def main(argv=None) -> int:
   drafters = {"draft_model": sj.drafters.DraftModel(draft)}
   if not args.no_ngram:
     drafters["ngram"] = sj.drafters.NGram(n=3)
+  if args.learned:
+    drafters.update(spec_pair.load_or_train_heads(target, args.size))
   specs = {f"chain_k{k}": sj.SpecConfig(num_draft_tokens=k) for k in args.ks}
   if not args.no_trees:
     specs.update({f"tree_{'x'.join(map(str, t))}": sj.SpecConfig(tree=t) for t in TREES})
@@ -88,9 +96,12 @@ def main(argv=None) -> int:
       return run
 
     runs = {name: runner(name, kwargs) for name, kwargs in configs.items()}
-    for run in runs.values():
-      run()  # compile (the adaptive engine compiles the lengths it picks)
-      run()
+    for name, run in runs.items():
+      # Compile (the adaptive engine compiles the lengths it picks). An adaptive
+      # controller also gets the rollouts an RL run's first steps would give it to
+      # explore, so that what is timed is its steady state.
+      for _ in range(args.adaptive_warmup if "controller" in configs[name] else 2):
+        run()
     seconds = common.interleaved(runs, args.repeats)
     tokens = {name: int(out.lengths.sum()) for name, out in outputs.items()}
     plain_rate = tokens["plain"] / seconds["plain"]
@@ -108,6 +119,10 @@ def main(argv=None) -> int:
       print(row, file=sys.stderr)
     breakdowns.append(round_cost_breakdown(target, draft, batch, max(args.ks)))
     print(breakdowns[-1], file=sys.stderr)
+    # Each batch size compiles its own programs; dropping the last ones keeps a long
+    # run within the process's memory maps (LLVM failed to allocate in one with
+    # four drafters x six configurations x two batch sizes).
+    jax.clear_caches()
   violations = [r for r in rows if r["batch"] in (1, 8) and r["acceptance_length"] >= 2.5
                 and r["speedup_vs_plain"] < 1.0]
   config = target.config

@@ -10,6 +10,9 @@ overhead, as for any tiny model) and "medium" (6 x 768, ~38M parameters: a decod
 reads ~150 MB of weights, so like a real policy it is memory-bound and verifying a few
 tokens costs little more than decoding one).
 
+Learned heads for a pair's target (``load_or_train_heads``: MTP and EAGLE-3 trained
+offline on the target's own rollouts, cached in heads/) serve bench_spec --learned.
+
   python experiments/spec_pair.py [--size small|medium] [--force]
 """
 
@@ -75,6 +78,52 @@ def load_or_train(force: bool = False, target_steps: int = 200, draft_steps: int
       "draft_final_loss": draft_losses[-1], "target_steps": target_steps,
       "draft_steps": draft_steps}, indent=2))
   return target, draft
+
+
+HEAD_UPDATES = 250
+HEAD_ROLLOUTS = 512
+HEAD_DEPTH = 3  # unroll steps = the longest chain the heads are trained to draft
+DRAFT_VOCAB_SIZE = 32
+
+
+def load_or_train_heads(target: sj.Transformer, size: str = "small", *,
+                        force: bool = False, updates: int = HEAD_UPDATES,
+                        rollouts: int = HEAD_ROLLOUTS) -> dict:
+  """{"mtp": MTP, "eagle3": Eagle3} trained offline for the pair's target on its own
+  rollouts at temperature 1; cached next to the pair (heads/)."""
+  from specrl_jax.speculative.drafters import specforge, training
+  from specrl_jax.speculative.drafters.eagle3 import Eagle3
+  from specrl_jax.speculative.drafters.mtp import MTP
+  import jax
+  import numpy as np
+  heads = folder(size) / "heads"
+  if not force and (heads / "eagle3" / "config.json").exists() and (
+      heads / "mtp" / "drafter.json").exists():
+    return {"mtp": training.load_drafter(heads / "mtp", MTP(target)),
+            "eagle3": specforge.load_specforge(heads / "eagle3", target)}
+  start = time.perf_counter()
+  rng = np.random.default_rng(11)
+  prompts = [tokenizer.encode(TASK.sample(rng).prompt, add_bos=True) for _ in range(rollouts)]
+  sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
+                               stop_token_ids=(tokenizer.EOS_ID,))
+  data = training.rollout_data(target, prompts, sampling=sampling, rng=jax.random.key(11),
+                               engine=sj.EngineConfig(num_slots=64))
+  table = training.build_draft_vocab(data.tokens[data.response_mask],
+                                     target.config.vocab_size, DRAFT_VOCAB_SIZE)
+  config = training.DrafterTrainingConfig(num_updates=updates, unroll_steps=HEAD_DEPTH)
+  trained, records = {}, {}
+  for name, drafter in {"mtp": MTP(target),
+                        "eagle3": Eagle3(target, draft_to_target=table)}.items():
+    trained[name], history = training.train_offline(
+        drafter, target, data, config, log_every=50,
+        log=lambda record, name=name: print(f"  {name} {record}", file=sys.stderr))
+    records[name] = history[-1]
+  training.save_drafter(heads / "mtp", trained["mtp"])
+  specforge.save_specforge(trained["eagle3"], heads / "eagle3")
+  (heads / "training.json").write_text(json.dumps({
+      "seconds": time.perf_counter() - start, "updates": updates, "rollouts": rollouts,
+      "unroll_steps": HEAD_DEPTH, "last": records}, indent=2, default=float))
+  return trained
 
 
 def main(argv=None) -> int:

@@ -103,10 +103,19 @@ def test_controller_falls_back_to_plain_decoding_when_speculation_loses():
   assert later.count(0) >= 7 and set(later) <= {0, 3}
 
 
+def test_a_drafter_that_stays_useless_is_probed_ever_less_often():
+  controller = DraftLengthController(k_max=3, explore_every=4)
+  choices = run_controller(controller, 40, seconds_per_round=lambda k: 0.004 + 0.003 * k,
+                           acceptance=[0.3] * 3, rounds=8)
+  probes = [i for i, k in enumerate(choices) if k == 3][1:]  # after the first measurement
+  assert set(choices[3:]) == {0, 3}
+  assert np.diff(probes).tolist() == [8, 16]  # every 4th, 8th, 16th plain decision
+
+
 def test_controller_notices_a_drafter_that_improves():
   controller = DraftLengthController(k_max=3, explore_every=2)
   run_controller(controller, 4, seconds_per_round=lambda k: 0.004 + 0.002 * k,
-                 acceptance=[0.1] * 3)
+                 acceptance=[0.1] * 3, rounds=50)
   # The drafter got good: the periodic re-measurements now accept almost everything.
   choices = run_controller(controller, 8, seconds_per_round=lambda k: 0.004 + 0.002 * k,
                            acceptance=[0.98] * 3, rounds=50)

@@ -15,7 +15,8 @@ tokens whatever k is), and round times of lengths not yet run from the line thro
 the measured drafting lengths (k drafter steps plus a verify of k + 1 tokens: linear
 in k; a plain step is not on that line). The best length is run, and measured, from
 then on. While plain decoding wins, every ``explore_every``-th decision drafts the
-longest chain again so that a drafter that improves (online training) is noticed.
+longest chain again (at doubling intervals while plain keeps winning) so that a
+drafter that improves (online training) is noticed.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class DraftLengthController:
   reached_D: np.ndarray = dataclasses.field(init=False)
   round_seconds: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
   history: list[tuple[int, int]] = dataclasses.field(init=False, default_factory=list)
+  _probe_interval: int = dataclasses.field(init=False, repr=False)
+  _since_probe: int = dataclasses.field(init=False, repr=False, default=0)
 
   def __post_init__(self):
     owner = "DraftLengthController"
@@ -56,6 +59,7 @@ class DraftLengthController:
     check(isinstance(self.explore_every, int) and self.explore_every >= 2, owner,
           "explore_every", self.explore_every, "an integer >= 2")
     check(0 < self.smoothing <= 1, owner, "smoothing", self.smoothing, "in (0, 1]")
+    self._probe_interval = self.explore_every
     self.accepted_D = np.zeros(self.k_max)
     self.reached_D = np.zeros(self.k_max)
 
@@ -85,7 +89,6 @@ class DraftLengthController:
     return tokens / self.predicted_round_seconds(k)
 
   def choose(self) -> int:
-    decision = len(self.history)
     if not self.round_seconds:
       return self.k_max
     if 0 not in self.round_seconds:
@@ -94,8 +97,18 @@ class DraftLengthController:
       return 1
     best = max(range(1, self.k_max + 1), key=self.tokens_per_second)
     if self.tokens_per_second(best) >= self.min_gain * self.tokens_per_second(0):
+      self._probe_interval = self.explore_every
+      self._since_probe = 0
       return best
-    return self.k_max if decision % self.explore_every == 0 else 0
+    # Plain decoding wins. Probe the longest chain now and then, half as often after
+    # each probe that plain decoding still wins, so that a drafter that stays useless
+    # costs ever less.
+    self._since_probe += 1
+    if self._since_probe < self._probe_interval:
+      return 0
+    self._since_probe = 0
+    self._probe_interval *= 2
+    return self.k_max
 
   def observe(self, k: int, rounds: int, seconds: float | None, accepted_D: np.ndarray,
               drafted_slot_rounds: int) -> None:
