@@ -169,9 +169,7 @@ def warm_start(task, sampling: SamplingParams, args) -> tuple[Transformer, Eagle
 # ----------------------------------------------------------------- the benchmark
 
 def plot(records, path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
   epochs = [r["epoch"] for r in records]
   names = list(records[0]["methods"])
   figure, axes = plt.subplots(1, 3, figsize=(15, 4.6))

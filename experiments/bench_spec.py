@@ -21,9 +21,7 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -148,11 +146,7 @@ def round_cost_breakdown(target, draft, batch: int, k: int, repeats: int = 20) -
   the target over 1 token (a plain step) and over k + 1 (verification), one drafter
   step. Verification / plain is what speculation must beat with accepted tokens."""
   def forward_ms(model, length):
-    graphdef, params = nnx.split(model)
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).forward(t).logits)
-    tokens = jnp.ones((batch, length), jnp.int32)
-    return 1e3 * common.best_of(
-        lambda: jax.block_until_ready(forward(params, tokens)), repeats)
+    return 1e3 * common.dense_forward_seconds(model, batch, length, repeats)
 
   plain, verify = forward_ms(target, 1), forward_ms(target, k + 1)
   drafter = forward_ms(draft, 1)

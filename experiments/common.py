@@ -47,5 +47,48 @@ def read_bandwidth_bytes_per_second(size_bytes: int = 512 * 2**20, repeats: int 
   return size_bytes / seconds
 
 
+def dense_forward_seconds(model, batch: int, query_tokens: int, repeats: int) -> float:
+  """One jitted forward of ``model`` over [batch, query_tokens] tokens, no cache: the
+  bare cost of a plain step (1 token) or a verification (k + 1), best of N."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  graphdef, params = nnx.split(model)
+  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).forward(t).logits)
+  tokens = jnp.ones((batch, query_tokens), jnp.int32)
+  run = lambda: jax.block_until_ready(forward(params, tokens))
+  run()
+  return best_of(run, repeats)
+
+
+def pyplot():
+  """matplotlib.pyplot on the file-only backend (benchmarks write PNGs, headless)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def plot_against_k(series, ks) -> tuple:
+  """The two panels every k study draws: acceptance length and speed vs plain decoding
+  against the draft length. series: (label, line style, color or None, ks, acceptance
+  lengths, speedups) per curve; ks: the x ticks. Returns (figure, axes)."""
+  plt = pyplot()
+  figure, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+  for label, style, color, xs, acceptance, speedup in series:
+    colored = {} if color is None else {"color": color}
+    axes[0].plot(xs, acceptance, style, label=label, **colored)
+    axes[1].plot(xs, speedup, style, label=label, **colored)
+  axes[0].set(xlabel="k (draft tokens per round)", ylabel="tokens per target forward",
+              title="acceptance length")
+  axes[1].axhline(1.0, color="black", lw=0.8, ls="--")
+  axes[1].set(xlabel="k (draft tokens per round)", ylabel="tokens/s relative to plain",
+              title="speed vs plain decoding (CPU)")
+  for axis in axes:
+    axis.set_xticks(sorted(ks))
+    axis.grid(alpha=0.3)
+  return figure, axes
+
+
 def print_json(payload) -> None:
   print(json.dumps(payload, indent=2, sort_keys=False))

@@ -124,36 +124,23 @@ def sweep(target, drafters: dict, prompts: list[list[int]], ks, repeats: int) ->
 
 
 def plot(rows: list[dict], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   batches = sorted({r["batch"] for r in rows})
   styles = ["o-", "s--", "^:", "d-."]
-  figure, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+  series = []
   for color, name in zip(("tab:gray", "tab:blue", "tab:orange", "tab:green"), DRAFTERS):
     for style, batch in zip(styles, batches):
       mine = sorted((r for r in rows if r["drafter"] == name and r["batch"] == batch),
                     key=lambda r: r["k"])
-      if not mine:
-        continue
-      ks = [r["k"] for r in mine]
-      label = f"{LABELS[name]}, batch {batch}"
-      axes[0].plot(ks, [r["acceptance_length"] for r in mine], style, color=color, label=label)
-      axes[1].plot(ks, [r["speedup_vs_plain"] for r in mine], style, color=color, label=label)
-  axes[0].set(xlabel="k (draft tokens per round)", ylabel="tokens per target forward",
-              title="acceptance length")
-  axes[1].axhline(1.0, color="black", lw=0.8, ls="--")
-  axes[1].set(xlabel="k (draft tokens per round)", ylabel="tokens/s relative to plain",
-              title="speed vs plain decoding (CPU)")
-  for axis in axes:
-    axis.set_xticks(sorted({r["k"] for r in rows if r["k"]}))
-    axis.grid(alpha=0.3)
+      if mine:
+        series.append((f"{LABELS[name]}, batch {batch}", style, color, [r["k"] for r in mine],
+                       [r["acceptance_length"] for r in mine],
+                       [r["speedup_vs_plain"] for r in mine]))
+  figure, axes = common.plot_against_k(series, {r["k"] for r in rows if r["k"]})
   axes[1].legend(fontsize=7, ncol=2)
   figure.suptitle("Drafters vs k: 4 x 128 arithmetic policy, temperature 1")
   figure.tight_layout()
   figure.savefig(path, dpi=110)
-  plt.close(figure)
+  common.pyplot().close(figure)
 
 
 def table(rows: list[dict], batch: int) -> dict[str, dict[str, str]]:

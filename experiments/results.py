@@ -42,6 +42,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,45 +124,30 @@ def stdout_and_plot(plot: Callable[[dict, Path], None]):
 
 # ----------------------------------------------------------------- plots of printed JSON
 
-def _pyplot():
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  return plt
-
-
 def plot_bench_spec(payload: dict, path: Path) -> None:
   """Acceptance length and speed vs plain against k, per drafter and batch size."""
-  plt = _pyplot()
   rows = [r for r in payload["results"] if "/chain_k" in r["config"]]
-  figure, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-  series = sorted({(r["config"].split("/")[0], r["batch"]) for r in rows})
-  for drafter, batch in series:
+  k_of = lambda r: int(r["config"].split("_k")[1])
+  series = []
+  for drafter, batch in sorted({(r["config"].split("/")[0], r["batch"]) for r in rows}):
     mine = sorted((r for r in rows if r["config"].startswith(drafter + "/")
-                   and r["batch"] == batch), key=lambda r: int(r["config"].split("_k")[1]))
-    ks = [int(r["config"].split("_k")[1]) for r in mine]
-    label = f"{drafter.replace('_', ' ').replace('ngram', 'n-gram')}, batch {batch}"
-    style = "o-" if drafter == "draft_model" else "s--"
-    axes[0].plot(ks, [r["acceptance_length"] for r in mine], style, label=label)
-    axes[1].plot(ks, [r["speedup_vs_plain"] for r in mine], style, label=label)
-  axes[0].set(xlabel="k (draft tokens per round)", ylabel="tokens per target forward",
-              title="acceptance length")
-  axes[1].axhline(1.0, color="black", lw=0.8, ls="--")
-  axes[1].set(xlabel="k (draft tokens per round)", ylabel="tokens/s relative to plain",
-              title="speed vs plain decoding (CPU)")
+                   and r["batch"] == batch), key=k_of)
+    series.append((f"{drafter.replace('_', ' ').replace('ngram', 'n-gram')}, batch {batch}",
+                   "o-" if drafter == "draft_model" else "s--", None, [k_of(r) for r in mine],
+                   [r["acceptance_length"] for r in mine],
+                   [r["speedup_vs_plain"] for r in mine]))
+  figure, axes = common.plot_against_k(series, {k_of(r) for r in rows})
   for axis in axes:
-    axis.set_xticks(sorted({int(r["config"].split("_k")[1]) for r in rows}))
-    axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
   figure.suptitle(f"bench_spec: {payload['target']}, temperature {payload['temperature']}")
   figure.tight_layout()
   figure.savefig(path, dpi=110)
-  plt.close(figure)
+  common.pyplot().close(figure)
 
 
 def plot_bench_rl(payload: dict, path: Path) -> None:
   """Sync stage times plain vs speculative, and samples/s of sync and async arms."""
-  plt = _pyplot()
+  plt = common.pyplot()
   figure, axes = plt.subplots(1, 2, figsize=(12, 4.2))
   arms = ("plain", "speculative")
   bottom = [0.0, 0.0]
@@ -194,7 +181,7 @@ def plot_bench_rl(payload: dict, path: Path) -> None:
 
 def plot_bench_decode(payload: dict, path: Path) -> None:
   """Plain decode tokens/s of both engines and the roofline, per batch and temperature."""
-  plt = _pyplot()
+  plt = common.pyplot()
   rows = payload["results"]
   labels = [f"batch {r['batch']}\nT={r['temperature']:g}" for r in rows]
   series = [("specrl_jax_tokens_per_second", "specrl_jax"),

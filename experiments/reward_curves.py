@@ -25,9 +25,11 @@ import time
 
 import numpy as np
 
-from specrl_jax.rl.experiment import experiment_config
-from specrl_jax.rl.metrics import read_jsonl
-from specrl_jax.rl.train_command import Session
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from specrl_jax.rl.experiment import experiment_config  # noqa: E402
+from specrl_jax.rl.metrics import read_jsonl  # noqa: E402
+from specrl_jax.rl.train_command import Session  # noqa: E402
 
 
 def run(seeds: int, steps: int, out: str) -> dict:
@@ -80,9 +82,7 @@ def summarize(curves: dict[str, list[list[float]]], out: str) -> dict:
 
 
 def plot(arrays: dict[str, np.ndarray], out: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
 
   figure, axes = plt.subplots(figsize=(6, 3.5))
   for arm, values in arrays.items():

@@ -63,9 +63,7 @@ def project(name: str) -> dict:
 
 
 def plot(projections: dict, path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
   import numpy as np
 
   names = list(projections)

@@ -23,9 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -36,17 +34,6 @@ from specrl_jax.sim.cost_model import (  # noqa: E402
 )
 
 TOLERANCE = 0.20  # the issue's bar: predictions within 20% of measured
-
-
-def dense_forward_seconds(model: sj.Transformer, batch: int, query_tokens: int,
-                          repeats: int) -> float:
-  """One jitted forward over [batch, query_tokens] tokens, no cache (best of N)."""
-  graphdef, params = nnx.split(model)
-  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p).forward(t).logits)
-  tokens = jnp.ones((batch, query_tokens), jnp.int32)
-  run = lambda: jax.block_until_ready(forward(params, tokens))
-  run()
-  return common.best_of(run, repeats)
 
 
 def random_prompts(vocab_size: int, length: int = 8) -> Callable[[int], list[list[int]]]:
@@ -91,9 +78,9 @@ def measure_pieces(target: sj.Transformer, draft: sj.Transformer, *, batches: Se
                    ks: Sequence[int], repeats: int) -> dict:
   """Dense forward timings: the target over 1 and k + 1 tokens, the drafter over 1."""
   return {
-      "target": [(b, q, dense_forward_seconds(target, b, q, repeats))
+      "target": [(b, q, common.dense_forward_seconds(target, b, q, repeats))
                  for b in batches for q in sorted({1, *(k + 1 for k in ks)})],
-      "drafter": [(b, 1, dense_forward_seconds(draft, b, 1, repeats)) for b in batches]}
+      "drafter": [(b, 1, common.dense_forward_seconds(draft, b, 1, repeats)) for b in batches]}
 
 
 def predict(rows: list[dict], pieces: dict, *, new_tokens: int,
@@ -129,9 +116,7 @@ def predict(rows: list[dict], pieces: dict, *, new_tokens: int,
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
   figure, axis = plt.subplots(figsize=(5.2, 4.6))
   measured = np.array([1e3 * r["decode_seconds"] for r in rows])
   predicted = np.array([1e3 * r["predicted_seconds"] for r in rows])

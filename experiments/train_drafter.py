@@ -188,9 +188,7 @@ def online_vs_frozen(target, weak: Eagle3, steps: int) -> dict:
 
 
 def plot(curves: dict, path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = common.pyplot()
   figure, axis = plt.subplots(figsize=(6, 3.5))
   for mode, curve in curves.items():
     steps = [r["step"] for r in curve["steps"]]
