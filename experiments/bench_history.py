@@ -1,9 +1,13 @@
 """Rollout-history drafting over RL epochs: acceptance length and rollout speed of plain
 decoding, the n-gram drafter, the history drafter, EAGLE-3, and history + EAGLE-3.
 
-The embedded arithmetic task (worked column sums, character tokenizer). A small policy is
-warm-started by SFT; an EAGLE-3 head is trained offline on its rollouts of other
-problems and then frozen, as in the paper. Each epoch every method rolls out the same
+The embedded arithmetic task (worked column sums, character tokenizer). The policy is
+either the 38M-parameter SFT target of experiments/spec_pair.py with its offline-trained
+EAGLE-3 head (``--policy medium``, the default: large enough that, as for a real policy,
+verifying a few tokens costs little more than decoding one) or a 1.2M-parameter policy
+warm-started by SFT here with an EAGLE-3 head trained on its rollouts of other problems
+(``--policy tiny``: a decode step there is per-op overhead, and speculation does not
+pay); the head stays frozen, as in the paper. Each epoch every method rolls out the same
 prompts (``--group`` samples each, temperature 1); the history drafters then remember
 their epoch's rollouts, and the policy takes a GRPO step on the plain rollouts (on-policy
 group-relative policy gradient on the task's reward), so later epochs draft from an
@@ -13,7 +17,8 @@ those epochs are reported too). Methods run interleaved, best of ``--repeats``; 
 is reported in wall-clock time and in this process's CPU time, which is steadier when
 other jobs share the machine.
 
-  python experiments/bench_history.py [--epochs 5] [--prompts 32] [--group 8] [--k 3]
+  python experiments/bench_history.py [--policy medium|tiny] [--epochs 5] [--prompts 8]
+      [--group 4] [--slots 8] [--k 3]
 
 Prints JSON and writes results/bench_history.json and results/bench_history.png.
 """
@@ -209,16 +214,26 @@ def entry_of(out: Rollouts, plain: Rollouts, drafting: bool) -> dict:
   return entry
 
 
+def medium_policy() -> tuple[Transformer, Eagle3, Arithmetic]:
+  """spec_pair's 38M target, its cached EAGLE-3 head and the task it was SFT'd on."""
+  import spec_pair
+  policy, _ = spec_pair.load_or_train(size="medium")
+  return policy, spec_pair.load_or_train_heads(policy, "medium")["eagle3"], spec_pair.TASK
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--policy", choices=("medium", "tiny"), default="medium")
   parser.add_argument("--epochs", type=int, default=5)
-  parser.add_argument("--prompts", type=int, default=32)
-  parser.add_argument("--group", type=int, default=8)
-  parser.add_argument("--slots", type=int, default=64)
+  parser.add_argument("--prompts", type=int, default=8)
+  parser.add_argument("--group", type=int, default=4)
+  parser.add_argument("--slots", type=int, default=8)
   parser.add_argument("--k", type=int, default=3, help="draft tokens per round (a chain)")
   parser.add_argument("--sft-steps", type=int, default=300)
   parser.add_argument("--eagle-updates", type=int, default=300)
-  parser.add_argument("--grpo-learning-rate", type=float, default=3e-4)
+  parser.add_argument("--grpo-learning-rate", type=float, default=None,
+                      help="Adam step size of the epochs' GRPO updates (default: 1e-5 for "
+                           "the medium policy, which SFT left nearly converged; 3e-4 tiny)")
   parser.add_argument("--max-match", type=int, default=16)
   parser.add_argument("--min-match", type=int, default=8,
                       help="history + EAGLE-3: shorter history matches defer to EAGLE-3")
@@ -230,14 +245,17 @@ def main(argv=None) -> int:
   parser.add_argument("--out", type=Path, default=RESULTS)
   args = parser.parse_args(argv)
 
-  task = Arithmetic(min_digits=2, max_digits=3)
+  started = time.perf_counter()
+  if args.policy == "medium":
+    policy, eagle, task = medium_policy()
+  else:
+    task = Arithmetic(min_digits=2, max_digits=3)
   sampling = SamplingParams(temperature=1.0, max_new_tokens=task.max_response_tokens,
                             stop_token_ids=(tokenizer.EOS_ID,))
   spec = SpecConfig(num_draft_tokens=args.k)
   engine = EngineConfig(num_slots=args.slots)
-  started = time.perf_counter()
-
-  policy, eagle = warm_start(task, sampling, args)
+  if args.policy == "tiny":
+    policy, eagle = warm_start(task, sampling, args)
 
   prompt_set = make_prompt_set(task, args.prompts, seed=args.seed, max_prompt_tokens=32)
   prompts = [p for p in prompt_set.prompts for _ in range(args.group)]
@@ -260,7 +278,8 @@ def main(argv=None) -> int:
     roll_out(policy, prompts, fresh, sampling, spec, engine, jax.random.key(10_000))
   print(f"  ready after {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
-  optimizer = optax.adam(args.grpo_learning_rate)
+  learning_rate = args.grpo_learning_rate or (1e-5 if args.policy == "medium" else 3e-4)
+  optimizer = optax.adam(learning_rate)
   opt_state = optimizer.init(nnx.split(policy)[1])
   reward_fn = jax.jit(task.reward)
   records = []
@@ -313,9 +332,11 @@ def main(argv=None) -> int:
              for name in drafters}
   payload = {
       "benchmark": "rollout-history drafting over RL epochs",
-      "task": "arithmetic, 2-3 digit worked sums", "devices": str(jax.devices()),
-      "config": {"epochs": args.epochs, "prompts": args.prompts, "group": args.group,
-                 "num_slots": args.slots, "k": args.k, "sft_steps": args.sft_steps,
+      "task": f"arithmetic, {task.min_digits}-{task.max_digits} digit worked sums",
+      "devices": str(jax.devices()),
+      "config": {"policy": args.policy, "epochs": args.epochs, "prompts": args.prompts, "group": args.group,
+                 "num_slots": args.slots, "k": args.k, "grpo_learning_rate": learning_rate,
+                 "sft_steps": args.sft_steps,
                  "eagle_updates": args.eagle_updates, "min_match": args.min_match,
                  "min_known": args.min_known, "repeats": args.repeats,
                  "history": dataclasses.asdict(history.config),

@@ -1,7 +1,10 @@
 """RL step time, plain vs speculative rollouts, sync vs async, measured in one run.
 
-On the demo's warm-started policy and draft model (trained here, or loaded from
---warm-from), with the same prompts, seeds and engine shape for every arm:
+On the demo's warm-started policy and draft model (``--policy tiny``: trained here, or
+loaded from --warm-from) or on experiments/spec_pair.py's 38M-parameter SFT target and
+its distilled draft model (``--policy medium``: a policy large enough that, as for a
+real one, verifying a few tokens costs little more than decoding one), with the same
+prompts, seeds and engine shape for every arm:
 
   sync  (all devices, one mesh): the fused one-call ``rl_step`` time, and a breakdown
         from the same stages jitted one by one: generation (rollout + rewards),
@@ -14,6 +17,7 @@ On the demo's warm-started policy and draft model (trained here, or loaded from
 Medians over --steps timed steps after --warmup compiled ones. Prints one JSON object.
 
   python experiments/bench_rl.py [--devices=2] [--steps=6] [--warm-from=runs/demo]
+      [--policy=tiny|medium] [--prompts-per-step=N]
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ def _parse():
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--warm-from", default="runs/demo")
-  parser.add_argument("--out", default="runs/bench_rl")
+  parser.add_argument("--out", default=None, help="default: runs/bench_rl[_medium]")
+  parser.add_argument("--policy", choices=("tiny", "medium"), default="tiny")
+  parser.add_argument("--prompts-per-step", type=int, default=None,
+                      help="default: the demo's 16 (tiny), 4 (medium)")
   return parser.parse_args()
 
 
@@ -138,19 +145,47 @@ def bench_async(session: Session, models, kind: str, lag: int, steps: int, warmu
           "max_policy_lag_seen": max(r["policy_lag"] for r in records)}
 
 
+# spec_pair's medium target and draft model as the experiment's policy and drafter.
+MEDIUM = ["--policy.hidden_size=768", "--policy.intermediate_size=2048",
+          "--policy.num_layers=6", "--policy.num_heads=12", "--policy.num_kv_heads=4",
+          "--policy.head_dim=64", "--drafter.hidden_size=96", "--drafter.intermediate_size=256",
+          "--drafter.num_layers=1", "--drafter.num_heads=3", "--drafter.num_kv_heads=1",
+          "--drafter.head_dim=32", "--task.min_digits=2", "--task.max_digits=4"]
+
+
+def _medium_warm_start(folder: str) -> None:
+  """Writes spec_pair's medium target and draft model where a Session loads its warm
+  start from (they were SFT'd / distilled on the same task)."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import spec_pair
+  from specrl_jax import checkpoint
+  target, draft = spec_pair.load_or_train(size="medium")
+  if os.path.exists(folder):
+    shutil.rmtree(folder)
+  checkpoint.save_model(os.path.join(folder, "policy"), target)
+  checkpoint.save_model(os.path.join(folder, "draft"), draft)
+
+
 def main() -> int:
   args = ARGS
   devices = len(jax.devices())
+  prompts = args.prompts_per_step or (4 if args.policy == "medium" else 16)
+  args.out = args.out or ("runs/bench_rl_medium" if args.policy == "medium" else "runs/bench_rl")
   config = experiment_config("demo", [
       f"--rl.mesh={devices},1,1", "--output.progress=false", "--output.plots=false",
-      f"--output.directory={args.out}"])
-  warm = os.path.join(args.warm_from, "warm_start")
-  if os.path.exists(warm) and not os.path.exists(os.path.join(args.out, "warm_start")):
-    shutil.copytree(warm, os.path.join(args.out, "warm_start"))
+      f"--output.directory={args.out}", f"--rl.prompts_per_step={prompts}"]
+      + (MEDIUM if args.policy == "medium" else []))
+  if args.policy == "medium":
+    _medium_warm_start(os.path.join(args.out, "warm_start"))
+  else:
+    warm = os.path.join(args.warm_from, "warm_start")
+    if os.path.exists(warm) and not os.path.exists(os.path.join(args.out, "warm_start")):
+      shutil.copytree(warm, os.path.join(args.out, "warm_start"))
   log = lambda message: print(message, file=sys.stderr, flush=True)
   session = Session(config, log=log)
   models = session.warm_start()
-  report = {"devices": devices, "samples_per_step": session.rollout_config.group_size
+  report = {"policy": args.policy, "policy_params": models.policy.config.num_params(),
+            "devices": devices, "samples_per_step": session.rollout_config.group_size
             * session.rollout_config.prompts_per_step,
             "engine_slots_per_rollout_shard": config.rl.num_slots,
             "num_draft_tokens": config.drafter.num_draft_tokens, "timed_steps": args.steps}

@@ -5,12 +5,14 @@ Target: a model SFT'd on the arithmetic task (experiments/spec_pair.py; --size s
 training-free n-gram drafter; with --learned also MTP and EAGLE-3 heads trained
 offline for the target (spec_pair.load_or_train_heads). Temperature 1, EOS stops. For batch 1 / 8 / 32: chains
 k = 1..7, static trees and adaptive k, acceptance length and tokens/s against plain
-decoding timed in the same run (interleaved, best of N). Also the cost breakdown a
+decoding timed in the same run: every configuration decodes the same ``--samples``
+rollout seeds, interleaved, and its speed-up is the median over seeds of its speed over
+plain decoding's on that seed. Also the cost breakdown a
 round is made of, timed on the same weights: one target forward over 1 and k + 1
 tokens per sequence (verification) and one drafter step.
 
   python experiments/bench_spec.py [--size small|medium] [--batches 1 8 32]
-      [--ks 1 2 3 4 5 6 7] [--repeats 3] [--no-trees] [--no-ngram] [--no-adaptive]
+      [--ks 1 2 3 4 5 6 7] [--samples 7] [--no-trees] [--no-ngram] [--no-adaptive]
       [--learned] [--adaptive-warmup 6]
 """
 
@@ -44,7 +46,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
   parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--samples", type=int, default=7,
+                      help="rollouts timed per configuration, each on its own seed")
   parser.add_argument("--temperature", type=float, default=1.0)
   parser.add_argument("--no-trees", action="store_true")
   parser.add_argument("--no-ngram", action="store_true")
@@ -85,34 +88,39 @@ def main(argv=None) -> int:
           # rollouts: what it measured while warming up carries over.
           configs[f"{drafter_name}/{spec_name}"]["controller"] = DraftLengthController(
               k_max=spec.num_draft_tokens)
-    outputs = {}
 
-    def runner(name, kwargs):
-      def run():
-        outputs[name] = sj.generate(target, prompts, sampling=sampling, rng=jax.random.key(7),
-                                    engine=engine, **kwargs)
+    def runner(kwargs):
+      def run(sample):
+        return sj.generate(target, prompts, sampling=sampling,
+                           rng=jax.random.key(1000 + sample), engine=engine, **kwargs)
       return run
 
-    runs = {name: runner(name, kwargs) for name, kwargs in configs.items()}
+    runs = {name: runner(kwargs) for name, kwargs in configs.items()}
     for name, run in runs.items():
       # Compile (the adaptive engine compiles the lengths it picks). An adaptive
       # controller also gets the rollouts an RL run's first steps would give it to
       # explore, so that what is timed is its steady state.
-      for _ in range(args.adaptive_warmup if "controller" in configs[name] else 2):
-        run()
-    seconds = common.interleaved(runs, args.repeats)
-    tokens = {name: int(out.lengths.sum()) for name, out in outputs.items()}
-    plain_rate = tokens["plain"] / seconds["plain"]
+      for warmup in range(args.adaptive_warmup if "controller" in configs[name] else 2):
+        run(-1 - warmup)
+    timed = common.paired_samples(runs, args.samples)
+    rates = {name: [int(out.lengths.sum()) / seconds for seconds, out in results]
+             for name, results in timed.items()}
     for name in configs:
-      out = outputs[name]
-      rate = tokens[name] / seconds[name]
-      row = {"batch": batch, "config": name, "tokens_per_second": round(rate, 1),
-             "speedup_vs_plain": round(rate / plain_rate, 3),
-             "acceptance_length": round(out.stats["acceptance_length"], 3),
-             "per_position_acceptance": [round(a, 3) for a in out.stats["per_position_acceptance"]],
-             "target_calls": out.stats["target_calls"], "generated_tokens": tokens[name]}
-      if "draft_length_schedule" in out.stats:
-        row["draft_length_rounds"] = _rounds_by_length(out.stats["draft_length_schedule"])
+      outs = [out for _, out in timed[name]]
+      # Each sample's speed is divided by plain decoding's on the same seed, timed next
+      # to it; the median over samples drops the ones a burst of machine load hit.
+      speedups = [rate / plain for rate, plain in zip(rates[name], rates["plain"])]
+      row = {"batch": batch, "config": name,
+             "tokens_per_second": round(common.median(rates[name]), 1),
+             "speedup_vs_plain": round(common.median(speedups), 3),
+             "acceptance_length": round(np.mean([o.stats["acceptance_length"] for o in outs]), 3),
+             "per_position_acceptance": [round(a, 3) for a in np.mean(
+                 [o.stats["per_position_acceptance"] for o in outs], axis=0).tolist()],
+             "target_calls": [o.stats["target_calls"] for o in outs],
+             "generated_tokens": [int(o.lengths.sum()) for o in outs]}
+      if "draft_length_schedule" in outs[0].stats:
+        row["draft_length_rounds"] = _rounds_by_length(
+            [entry for o in outs for entry in o.stats["draft_length_schedule"]])
       rows.append(row)
       print(row, file=sys.stderr)
     breakdowns.append(round_cost_breakdown(target, draft, batch, max(args.ks)))

@@ -36,6 +36,21 @@ def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str
   return {name: min(values) for name, values in times.items()}
 
 
+def paired_samples(runs: dict[str, Callable[[int], object]], samples: int
+                   ) -> dict[str, list[tuple[float, object]]]:
+  """(seconds, result) of ``run(sample)`` for every entry and sample 0..samples-1, the
+  entries interleaved within each sample. Give each sample its own rollout seed: one
+  batch's time hangs on its slowest sequence, so a single seed is one draw of luck
+  that best-of-N timings of the same seed cannot average out."""
+  results: dict[str, list[tuple[float, object]]] = {name: [] for name in runs}
+  for sample in range(samples):
+    for name, run in runs.items():
+      start = time.perf_counter()
+      out = run(sample)
+      results[name].append((time.perf_counter() - start, out))
+  return results
+
+
 def median(values):
   return statistics.median(values)
 

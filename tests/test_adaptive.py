@@ -93,6 +93,50 @@ def test_untried_lengths_are_timed_on_the_drafting_lengths_line_not_through_plai
   assert controller.predicted_round_seconds(3) == pytest.approx(0.011)
 
 
+def test_a_batch_cut_short_counts_by_its_rounds():
+  # Every batch pays 20 ms of dispatch and read-back; a batch cut short by the end of
+  # a rollout (1 round) must not count like a full one.
+  controller = DraftLengthController(k_max=2)
+  controller.observe(2, 63, 0.020 + 63 * 0.010, np.zeros(2), 8 * 63)
+  controller.observe(2, 1, 0.020 + 0.010, np.zeros(2), 8)
+  # The older batch weighs half (smoothing 0.5); a mean of the two batches' per-round
+  # times would say 20 ms.
+  assert controller.round_seconds[2] == pytest.approx(
+      (0.5 * (0.020 + 0.630) + 0.030) / (0.5 * 63 + 1), rel=1e-6)
+  assert controller.round_seconds[2] < 0.011
+
+
+def test_a_length_that_keeps_winning_runs_in_ever_longer_batches():
+  controller = DraftLengthController(k_max=3, max_batch_growth=4)
+  sizes = []
+  for _ in range(7):
+    k = controller.choose()
+    sizes.append(controller.decision_rounds(8))
+    observe_rounds(controller, k, seconds_per_round=0.004 + 0.001 * k,
+                   acceptance=[0.9] * 3, rounds=sizes[-1])
+  # Three exploration batches, then the winner (k = 3) at 8, 16, 32 and at most 32 rounds.
+  assert controller.history == [(3, 8), (0, 8), (1, 8), (3, 8), (3, 16), (3, 32), (3, 32)]
+  assert sizes == [8, 8, 8, 8, 16, 32, 32]
+
+
+def test_near_the_end_of_a_batch_the_controller_weighs_the_rounds_left_not_tokens_per_round():
+  # 4 ms + 2 ms per draft, 0.9 acceptance: k = 3 emits the most tokens per second.
+  controller = DraftLengthController(k_max=4)
+  run_controller(controller, 3, seconds_per_round=lambda k: 0.004 + 0.002 * k,
+                 acceptance=[0.9] * 4)
+  assert controller.choose() == 3
+  assert controller.choose(remaining_tokens=[400] * 8) == 3
+  # Eight sequences two tokens from the end: a round of any length finishes a sequence
+  # only if its first draft is accepted (and a batch of eight waits for the unluckiest),
+  # so the cheapest round wins; two plain steps (8 ms) beat 1.57 expected k = 1 rounds.
+  assert controller.expected_seconds(0, [2] * 8) == pytest.approx(0.008)
+  assert controller.expected_seconds(1, [2] * 8) == pytest.approx(
+      0.006 * (2 - 0.9 ** 8), rel=0.02)
+  assert controller.choose(remaining_tokens=[2] * 8) == 0
+  # One sequence left with 5 tokens to go: a k = 4 round can finish it at once.
+  assert controller.choose(remaining_tokens=[5, 0, 0]) == 4
+
+
 def test_controller_falls_back_to_plain_decoding_when_speculation_loses():
   controller = DraftLengthController(k_max=3, explore_every=4)
   choices = run_controller(controller, 14, seconds_per_round=lambda k: 0.004 + 0.003 * k,
@@ -123,7 +167,8 @@ def test_controller_notices_a_drafter_that_improves():
 
 
 @pytest.mark.parametrize("field, value", [("k_max", 0), ("min_gain", 0.5),
-                                          ("explore_every", 1), ("smoothing", 0.0)])
+                                          ("explore_every", 1), ("smoothing", 0.0),
+                                          ("max_batch_growth", 3)])
 def test_controller_rejects_bad_settings(field, value):
   with pytest.raises(ConfigError, match=field):
     DraftLengthController(**{"k_max": 3, field: value})

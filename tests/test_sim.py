@@ -514,3 +514,43 @@ def test_a_batch_decodes_until_its_slowest_sequence_has_its_tokens():
   assert expected_batch_rounds(8, 3, [0.7], 40) > one + 1
   with pytest.raises(ConfigError, match="new_tokens"):
     expected_batch_rounds(8, 3, [0.7], 0)
+
+
+def simulated_rounds_to_finish(remaining, k, acceptance, samples=20_000, seed=0):
+  """Monte Carlo reference: batches of sequences drafting k tokens per round, drafts
+  accepted in order at the conditional rates, until each has its remaining tokens."""
+  rng = np.random.default_rng(seed)
+  remaining = np.asarray(remaining)
+  rates = np.array([acceptance[min(i, len(acceptance) - 1)] for i in range(k)])
+  emitted = np.zeros((samples, remaining.size), np.int64)
+  rounds = np.zeros((samples, remaining.size), np.int64)
+  while (emitted < remaining).any():
+    live = emitted < remaining
+    accepted = np.cumprod(rng.random((samples, remaining.size, k)) < rates, axis=-1).sum(-1)
+    emitted += live * (1 + accepted)
+    rounds += live
+  return rounds.max(axis=1).mean()
+
+
+@pytest.mark.parametrize("remaining, k, acceptance", [
+    ([38] * 8, 3, [0.97, 0.94, 0.89]),
+    ([38] * 8, 5, [0.97, 0.95, 0.86, 0.85, 0.83]),
+    ([40, 12, 3, 1], 4, [0.6]),
+    ([7], 2, [0.5, 0.2]),
+])
+def test_rounds_to_finish_are_exact_where_a_simulation_only_estimates_them(remaining, k,
+                                                                           acceptance):
+  from specrl_jax.sim.cost_model import expected_rounds_to_finish
+  exact = expected_rounds_to_finish(remaining, k, acceptance)
+  assert exact == pytest.approx(simulated_rounds_to_finish(remaining, k, acceptance),
+                                rel=0.01)
+
+
+def test_rounds_to_finish_edge_cases():
+  from specrl_jax.sim.cost_model import expected_rounds_to_finish
+  assert expected_rounds_to_finish([], 3, [0.5]) == 0.0  # nothing left to decode
+  assert expected_rounds_to_finish([0, 0], 3, [0.5]) == 0.0
+  assert expected_rounds_to_finish([9, 4], 0, [0.5]) == 9  # plain: a token per round
+  assert expected_rounds_to_finish([9], 2, [1.0]) == 3  # every draft accepted
+  with pytest.raises(ConfigError, match="remaining_tokens"):
+    expected_rounds_to_finish([5, -1], 2, [0.5])

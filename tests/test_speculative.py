@@ -302,6 +302,26 @@ def test_greedy_drafts_longer_than_the_budget_match_plain_greedy(target, drafter
   np.testing.assert_array_equal(out.tokens, greedy_plain.tokens[:, :2])
 
 
+@pytest.mark.parametrize("drafter", ["target_itself", "noisy_target"])
+def test_drafts_committed_past_the_context_leave_no_trace(target, drafter_zoo, drafter):
+  # Prompts that fill their bucket leave room for exactly the budget (3 tokens) in the
+  # 3-page context; a round accepting 5 drafts commits keys past it, to the trash
+  # page. Two slots for six requests: pages are released and reused meanwhile.
+  prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 2, 6, 5, 1, 0, 3, 3], [4, 4, 4, 4, 4, 4, 4, 4],
+             [11, 10, 9, 8, 7, 6, 5, 4], [2, 7, 1, 8, 2, 8, 1, 8], [3, 1, 4, 1, 5, 9, 2, 6]]
+  engine = EngineConfig(page_size=4, prompt_bucket=4, num_slots=2)
+  spec = SpecConfig(num_draft_tokens=5)
+  greedy = generate(target, prompts, sampling=SamplingParams(temperature=0.0, max_new_tokens=3),
+                    drafter=drafter_zoo[drafter], spec=spec, engine=engine)
+  assert greedy.tokens.tolist() == testing.greedy_reference(target, prompts, 3)
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
+  sampled = generate(target, prompts, sampling=sampling, rng=jax.random.key(3),
+                     drafter=drafter_zoo[drafter], spec=spec, engine=engine)
+  np.testing.assert_allclose(
+      sampled.logprobs, testing.response_log_probs(target, prompts, sampled.tokens,
+                                                   sampled.lengths, sampling), atol=1e-4)
+
+
 # --- errors ------------------------------------------------------------------------
 
 def test_a_draft_model_with_another_vocabulary_is_rejected(target):

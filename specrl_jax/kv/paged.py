@@ -106,8 +106,12 @@ AttentionFn = Callable[..., Array]
 
 def page_slots(page_table_BxM: Array, positions_BxT: Array, page_size: int
                ) -> tuple[Array, Array]:
-  """(page, offset) of each cache position; negative positions map to the trash page."""
-  valid = positions_BxT >= 0
+  """(page, offset) of each cache position; negative positions, and positions past the
+  page table's capacity, map to the trash page. (A round may commit accepted drafts
+  past a sequence's token budget; they were not emitted, so their keys and values
+  are never read, and the context need not be sized for them.)"""
+  capacity = page_table_BxM.shape[1] * page_size
+  valid = (positions_BxT >= 0) & (positions_BxT < capacity)
   safe = jnp.where(valid, positions_BxT, 0)
   page_BxT = jnp.take_along_axis(page_table_BxM, safe // page_size, axis=1)
   return jnp.where(valid, page_BxT, TRASH_PAGE), jnp.where(valid, safe % page_size, 0)

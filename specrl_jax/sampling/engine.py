@@ -265,7 +265,7 @@ RoundFn = Callable[[DecodeState], DecodeState]
 
 def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
              sampling: SamplingParams, *, continuous: bool,
-             on_admit: AdmitHook | None = None, max_rounds: int | None = None) -> DecodeState:
+             on_admit: AdmitHook | None = None, max_rounds: int | Array | None = None) -> DecodeState:
   """Decodes until every request has finished or the page pool ran out (or after
   ``max_rounds`` rounds)."""
   num_requests = prompts.prompt_of_request_R.shape[0]

@@ -126,10 +126,16 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
                     *inputs, rng, sampling=sampling, layout=layout, drafter=drafter,
                     topology=topology, draft_mode=draft_mode)
-  final = jax.device_get(final)
+  final = _fetch_results(final)
   seconds = time.perf_counter() - start
   _raise_if_exhausted(final, layout, inputs)
   return _to_output(final, seconds, drafter)
+
+
+def _fetch_results(state: DecodeState) -> DecodeState:
+  """The final state on the host without its KV pages and token history, which the
+  output does not need and which dwarf everything else."""
+  return jax.device_get(state.replace(kv=None, history_NxC=None))
 
 
 def _raise_if_exhausted(final: DecodeState, layout: _Layout, inputs) -> None:
@@ -148,7 +154,7 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                        controller: DraftLengthController | None) -> GenerateOutput:
   """Decodes in batches of rounds, re-choosing the chain length (0 = plain) between
   batches with a DraftLengthController. The state is built for the longest chain, so
-  every length runs on it; each length compiles once."""
+  every length runs on it; each length (and longer length it follows) compiles once."""
   longest = topology.depth
   if controller is None:
     controller = DraftLengthController(k_max=longest)
@@ -161,20 +167,29 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
                           layout=layout, drafter=drafter, topology=topology)
   counters = jax.device_get(state.counters)
+  tail = jax.device_get(_tail_report(state, num_requests=inputs[2].shape[0]))
+  previous = 0  # after prefill the drafter has one token to catch up on
   while True:
-    k = controller.choose()
+    remaining_N, queued = tail
+    # While requests wait, every freed slot is refilled: tokens per second is what
+    # counts. Without a queue the batch ends with its slowest sequence.
+    k = controller.choose(None if queued else remaining_N.tolist())
     compiled_before = _continue_and_report._cache_size()
     began = time.perf_counter()
     if k == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
       rounds = dict(drafter_params=(), drafter=None, topology=None, draft_mode=None)
     else:
+      # The drafter catches up on what the last round accepted: at most the previous
+      # length + 1 tokens in this batch's first round, k + 1 after it. Sizing for that,
+      # not for the longest chain, keeps a steady length as cheap as a fixed one.
       rounds = dict(drafter_params=drafter_params, drafter=drafter,
                     topology=TreeTopology((1,) * k), draft_mode=draft_mode,
-                    max_pending=longest + 1)
+                    max_pending=max(k, previous) + 1)
+    max_rounds = jnp.int32(controller.decision_rounds(rounds_per_decision))
     state, report = _continue_and_report(graphdef, params, state=state, prompts=prompts,
-                                         sampling=sampling, layout=layout,
-                                         max_rounds=rounds_per_decision, **rounds)
-    now, done = jax.device_get(report)
+                                         max_rounds=max_rounds, sampling=sampling,
+                                         layout=layout, **rounds)
+    now, done, tail = jax.device_get(report)
     seconds = time.perf_counter() - began
     # A length's first batch includes compiling it: keep its acceptance, not its time.
     compiled = _continue_and_report._cache_size() > compiled_before
@@ -182,10 +197,10 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
         k, int(now["target_calls"] - counters["target_calls"]), None if compiled else seconds,
         now["accepted_per_position"] - counters["accepted_per_position"],
         int(now["draft_rounds"] - counters["draft_rounds"]))
-    counters = now
+    counters, previous = now, k
     if done:
       break
-  final = jax.device_get(state)
+  final = _fetch_results(state)
   seconds = time.perf_counter() - start
   _raise_if_exhausted(final, layout, inputs)
   output = _to_output(final, seconds, drafter)
@@ -223,9 +238,10 @@ def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: 
   elif spec is not None:
     raise ValueError("spec was given without a drafter: pass drafter=sj.drafters.... to "
                      "decode speculatively, or drop spec for plain decoding.")
-  lookahead = 1 if drafter is None else topology.depth + 1
   page_size = engine.page_size
-  max_pages = -(-(padded + sampling.max_new_tokens + lookahead) // page_size)
+  # Room for the prompt and every emitted token: keys a speculative round commits past
+  # that (accepted drafts beyond the budget, never emitted) go to the trash page.
+  max_pages = -(-(padded + sampling.max_new_tokens + 1) // page_size)
   enough = 1 + int(np.sum(-(-lengths // page_size))) + num_slots * max_pages
   layout = _Layout(num_slots=num_slots, page_size=page_size,
                    num_pages=engine.num_pages or enough, max_pages_per_seq=max_pages,
@@ -340,7 +356,8 @@ def start_rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, promp
 def continue_rollout(graphdef, params, drafter_params, state: DecodeState, prompts: Prompts, *,
                      sampling: SamplingParams, layout: _Layout, drafter: Drafter | None,
                      topology: TreeTopology | None, draft_mode: str | None,
-                     max_rounds: int | None = None, max_pending: int | None = None
+                     max_rounds: int | jax.Array | None = None,
+                     max_pending: int | None = None
                      ) -> DecodeState:
   """Runs decode rounds of ``topology`` until every request has finished (or after
   ``max_rounds`` rounds: the adaptive engine re-chooses the draft length between calls)."""
@@ -372,13 +389,32 @@ _generate = jax.jit(rollout, static_argnames=_STATIC)
 _start = jax.jit(start_rollout, static_argnames=_STATIC[:-1])
 
 
-def _continue_reporting(graphdef, params, drafter_params, state, prompts, **static):
-  """continue_rollout, also returning (counters, whether every request is done): the
-  adaptive engine reads these few scalars between batches of rounds."""
-  state = continue_rollout(graphdef, params, drafter_params, state, prompts, **static)
-  return state, (state.counters, is_done(state, prompts.prompt_of_request_R.shape[0]))
+def _continue_reporting(graphdef, params, drafter_params, state, prompts, max_rounds, **static):
+  """continue_rollout, also returning (counters, whether every request is done, the
+  tail report): the adaptive engine reads these few numbers between batches of rounds.
+  ``max_rounds`` is traced, so batches of any size share one program."""
+  state = continue_rollout(graphdef, params, drafter_params, state, prompts,
+                           max_rounds=max_rounds, **static)
+  num_requests = prompts.prompt_of_request_R.shape[0]
+  return state, (state.counters, is_done(state, num_requests), _tail(state, num_requests))
+
+
+def _tail(state: DecodeState, num_requests: int) -> tuple[jax.Array, jax.Array]:
+  """(remaining_N, queued): the token budget left to each slot's sequence once the
+  waiting requests have taken the free slots (0 for a slot left empty), and whether
+  requests would still be waiting after that."""
+  budget = state.out_tokens_RxL.shape[1]
+  free_N = ~state.active_N
+  waiting = num_requests - state.next_request
+  admitted_N = free_N & (jnp.cumsum(free_N) <= waiting)
+  remaining_N = jnp.where(state.active_N, budget - state.generated_N,
+                          jnp.where(admitted_N, budget, 0))
+  return remaining_N, waiting > jnp.sum(free_N)
+
+
+_tail_report = jax.jit(_tail, static_argnames=("num_requests",))
 
 
 _continue_and_report = jax.jit(_continue_reporting,
-                               static_argnames=_STATIC + ("max_rounds", "max_pending"),
+                               static_argnames=_STATIC + ("max_pending",),
                                donate_argnames=("state",))

@@ -227,17 +227,14 @@ class SpeculationCostModel:
             / self.expected_tokens_per_round(k, per_position_acceptance))
 
   def batch_decode_seconds(self, batch_size: int, k: int,
-                           per_position_acceptance: Sequence[float], new_tokens: int, *,
-                           samples: int = 4000, seed: int = 0) -> float:
+                           per_position_acceptance: Sequence[float], new_tokens: int) -> float:
     """Predicted time for a batch of ``batch_size`` sequences to each decode
     ``new_tokens`` tokens (no stop tokens): expected rounds of the slowest sequence
     times the round time. With speculation the sequences need different numbers of
-    rounds and the batch runs until the last finishes; the expectation of that
-    maximum is taken over ``samples`` simulated batches (acceptance per position as
-    in ``expected_tokens_per_round``)."""
+    rounds and the batch runs until the last finishes (``expected_batch_rounds``;
+    acceptance per position as in ``expected_tokens_per_round``)."""
     return (self.round_seconds(batch_size, k)
-            * expected_batch_rounds(batch_size, k, per_position_acceptance, new_tokens,
-                                    samples=samples, seed=seed))
+            * expected_batch_rounds(batch_size, k, per_position_acceptance, new_tokens))
 
   def best_k(self, batch_size: int, per_position_acceptance: Sequence[float], k_max: int,
              *, min_gain: float = 1.0) -> int:
@@ -258,24 +255,48 @@ class SpeculationCostModel:
 
 
 def expected_batch_rounds(batch_size: int, k: int, per_position_acceptance: Sequence[float],
-                          new_tokens: int, *, samples: int = 4000, seed: int = 0) -> float:
+                          new_tokens: int) -> float:
   """Expected number of rounds until all ``batch_size`` sequences have ``new_tokens``
   tokens, each round emitting 1 + (accepted drafts of ``k``) per sequence, drafts
   accepted in order with the conditional rates given (the last one repeats)."""
   validation.positive_int("expected_batch_rounds", "batch_size", batch_size)
-  validation.non_negative_int("expected_batch_rounds", "k", k)
   validation.positive_int("expected_batch_rounds", "new_tokens", new_tokens)
-  validation.positive_int("expected_batch_rounds", "samples", samples)
+  return expected_rounds_to_finish([new_tokens] * batch_size, k, per_position_acceptance)
+
+
+def expected_rounds_to_finish(remaining_tokens: Sequence[int], k: int,
+                              per_position_acceptance: Sequence[float]) -> float:
+  """Expected rounds until every sequence has emitted its ``remaining_tokens`` (the
+  batch waits for its unluckiest sequence), computed exactly: the distribution of one
+  sequence's emitted count after n rounds is the n-fold convolution of the per-round
+  count (1 + accepted drafts), and the batch is done by round n with probability
+  prod_s P(sequence s is done by round n)."""
+  validation.non_negative_int("expected_rounds_to_finish", "k", k)
+  remaining = np.asarray(remaining_tokens, np.int64)
+  check(remaining.ndim == 1 and np.all(remaining >= 0), "expected_rounds_to_finish",
+        "remaining_tokens", remaining_tokens, "a sequence of integers >= 0")
+  remaining = remaining[remaining > 0]
+  if remaining.size == 0:
+    return 0.0
   if k == 0:
-    return float(new_tokens)
+    return float(remaining.max())
   rates = _check_acceptance(per_position_acceptance)
   rates = np.array([rates[min(i, len(rates) - 1)] for i in range(k)])
-  rng = np.random.default_rng(seed)
-  emitted = np.zeros((samples, batch_size), np.int64)
-  rounds = np.zeros((samples, batch_size), np.int64)
-  while (emitted < new_tokens).any():
-    live = emitted < new_tokens
-    accepted = np.cumprod(rng.random((samples, batch_size, k)) < rates, axis=-1).sum(-1)
-    emitted += live * (1 + accepted)
-    rounds += live
-  return float(rounds.max(axis=1).mean())
+  reach = np.concatenate([[1.0], np.cumprod(rates)])  # P(at least j drafts accepted)
+  # per_round[t] = P(a round emits t tokens): 0 for t = 0, then 1 + j for j accepted.
+  per_round = np.concatenate([[0.0], reach[:-1] - reach[1:], [reach[-1]]])
+  longest = int(remaining.max())
+  # emitted[t] = P(t tokens emitted so far), counts >= longest pooled in the last bin.
+  emitted = np.zeros(longest + 1)
+  emitted[0] = 1.0
+  expected = 0.0
+  for _ in range(longest):  # at least one token per round: done within `longest` rounds
+    step = np.convolve(emitted, per_round)
+    emitted = step[:longest + 1]
+    emitted[-1] += step[longest + 1:].sum()
+    done_by = np.cumsum(emitted[::-1])[::-1]  # done_by[t] = P(emitted >= t)
+    batch_done = float(np.prod(done_by[remaining]))
+    expected += 1.0 - batch_done
+    if batch_done > 1 - 1e-12:
+      break
+  return expected + 1.0  # the first round always runs; the sum counts the rounds after it

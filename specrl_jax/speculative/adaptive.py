@@ -17,15 +17,25 @@ in k; a plain step is not on that line). The best length is run, and measured, f
 then on. While plain decoding wins, every ``explore_every``-th decision drafts the
 longest chain again (at doubling intervals while plain keeps winning) so that a
 drafter that improves (online training) is noticed.
+
+Each batch of rounds also pays a fixed host cost (dispatch, reading the counters back).
+While the same length keeps winning, its batches grow (``decision_rounds``), which pays
+that cost less often. Without a queue of waiting requests, the batch ends when its
+slowest sequence does: the controller is then given each live sequence's remaining
+token budget and minimizes the expected time to finish them all
+(``sim.cost_model.expected_rounds_to_finish``), where a long draft's last rounds are
+partly wasted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
 from specrl_jax.config import check
+from specrl_jax.sim.cost_model import expected_rounds_to_finish
 from specrl_jax.sim.rollout import expected_tokens_per_round
 
 
@@ -35,21 +45,27 @@ class DraftLengthController:
 
   k_max: the longest chain allowed. min_gain: speculation must beat plain decoding by
   this factor to be chosen (hysteresis against timing noise). smoothing: weight of the
-  newest batch in each length's running mean round time and in the acceptance counts
+  newest batch of a length among that length's timings and in the acceptance counts
   (later rounds run a smaller tail batch and the drafter may improve, so old
-  measurements go stale).
+  measurements go stale). max_batch_growth: a length chosen again and again runs in
+  batches up to this many times ``rounds_per_decision`` (doubling per repeat).
   """
 
   k_max: int
   min_gain: float = 1.03
   explore_every: int = 16
   smoothing: float = 0.5
+  max_batch_growth: int = 8
   accepted_D: np.ndarray = dataclasses.field(init=False)
   reached_D: np.ndarray = dataclasses.field(init=False)
   round_seconds: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
   history: list[tuple[int, int]] = dataclasses.field(init=False, default_factory=list)
+  # (k, rounds, seconds, weight) of every timed batch still weighing in the fit.
+  _timings: list[list] = dataclasses.field(init=False, repr=False, default_factory=list)
   _probe_interval: int = dataclasses.field(init=False, repr=False)
   _since_probe: int = dataclasses.field(init=False, repr=False, default=0)
+  _streak: int = dataclasses.field(init=False, repr=False, default=0)
+  _last_best: int | None = dataclasses.field(init=False, repr=False, default=None)
 
   def __post_init__(self):
     owner = "DraftLengthController"
@@ -59,6 +75,9 @@ class DraftLengthController:
     check(isinstance(self.explore_every, int) and self.explore_every >= 2, owner,
           "explore_every", self.explore_every, "an integer >= 2")
     check(0 < self.smoothing <= 1, owner, "smoothing", self.smoothing, "in (0, 1]")
+    check(isinstance(self.max_batch_growth, int) and self.max_batch_growth >= 1
+          and self.max_batch_growth & (self.max_batch_growth - 1) == 0, owner,
+          "max_batch_growth", self.max_batch_growth, "a power of two >= 1")
     self._probe_interval = self.explore_every
     self.accepted_D = np.zeros(self.k_max)
     self.reached_D = np.zeros(self.k_max)
@@ -88,27 +107,54 @@ class DraftLengthController:
     tokens = 1.0 if k == 0 else expected_tokens_per_round(tuple(self.acceptance()), k)
     return tokens / self.predicted_round_seconds(k)
 
-  def choose(self) -> int:
+  def expected_seconds(self, k: int, remaining_tokens: Sequence[int] | None = None) -> float:
+    """Predicted seconds per token of one sequence at length k (steady state: requests
+    wait for every slot that frees), or, given each live sequence's remaining token
+    budget, to finish them all: the batch runs until its unluckiest sequence is done,
+    and a long draft's last rounds are partly wasted on a short remainder."""
+    if remaining_tokens is None:
+      return 1.0 / self.tokens_per_second(k)
+    rounds = expected_rounds_to_finish(remaining_tokens, k, tuple(self.acceptance()))
+    return rounds * self.predicted_round_seconds(k)
+
+  def choose(self, remaining_tokens: Sequence[int] | None = None) -> int:
+    """The length for the next batch of rounds. remaining_tokens: the token budget left
+    to each live sequence when no request waits for a slot (the batch then ends with
+    its slowest sequence); None while requests wait."""
     if not self.round_seconds:
       return self.k_max
     if 0 not in self.round_seconds:
       return 0
     if 1 not in self.round_seconds:
       return 1
-    best = max(range(1, self.k_max + 1), key=self.tokens_per_second)
-    if self.tokens_per_second(best) >= self.min_gain * self.tokens_per_second(0):
+    if remaining_tokens is not None and not any(r > 0 for r in remaining_tokens):
+      remaining_tokens = None
+    cost = {k: self.expected_seconds(k, remaining_tokens) for k in range(self.k_max + 1)}
+    best = min(range(1, self.k_max + 1), key=cost.__getitem__)
+    if cost[0] >= self.min_gain * cost[best]:
       self._probe_interval = self.explore_every
       self._since_probe = 0
-      return best
+      return self._settle(best)
     # Plain decoding wins. Probe the longest chain now and then, half as often after
     # each probe that plain decoding still wins, so that a drafter that stays useless
     # costs ever less.
     self._since_probe += 1
     if self._since_probe < self._probe_interval:
-      return 0
+      return self._settle(0)
     self._since_probe = 0
     self._probe_interval *= 2
+    self._streak, self._last_best = 0, None
     return self.k_max
+
+  def _settle(self, k: int) -> int:
+    self._streak = self._streak + 1 if k == self._last_best else 0
+    self._last_best = k
+    return k
+
+  def decision_rounds(self, base: int) -> int:
+    """Rounds to run for the length just chosen: ``base``, doubled for each decision in
+    a row that chose it (exploration and probes run ``base``)."""
+    return base * min(2 ** self._streak, self.max_batch_growth)
 
   def observe(self, k: int, rounds: int, seconds: float | None, accepted_D: np.ndarray,
               drafted_slot_rounds: int) -> None:
@@ -120,10 +166,17 @@ class DraftLengthController:
     if rounds <= 0:
       return
     if seconds is not None:
-      per_round = seconds / rounds
-      previous = self.round_seconds.get(k)
-      self.round_seconds[k] = (per_round if previous is None else
-                               self.smoothing * per_round + (1 - self.smoothing) * previous)
+      for timing in self._timings:
+        if timing[0] == k:
+          timing[3] *= 1 - self.smoothing
+      self._timings = [t for t in self._timings if t[3] > 1e-3]
+      self._timings.append([k, rounds, seconds, 1.0])
+      mine = [t for t in self._timings if t[0] == k]
+      # Seconds over rounds, not a mean of per-round times: a batch cut short by the
+      # end of a rollout spreads its fixed dispatch cost over few rounds and counts
+      # only as much as its rounds.
+      self.round_seconds[k] = (sum(t[3] * t[2] for t in mine)
+                               / sum(t[3] * t[1] for t in mine))
     if k == 0 or drafted_slot_rounds <= 0:
       return
     accepted = np.asarray(accepted_D[:k], np.float64)
