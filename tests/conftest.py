@@ -6,3 +6,16 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drops each module's compiled programs when it ends: a worker that keeps every
+  program of the suite runs into the kernel's limit on memory maps (LLVM then fails to
+  allocate while compiling, which crashed a worker once)."""
+  yield
+  jax.clear_caches()
