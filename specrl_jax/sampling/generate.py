@@ -154,7 +154,7 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                        controller: DraftLengthController | None) -> GenerateOutput:
   """Decodes in batches of rounds, re-choosing the chain length (0 = plain) between
   batches with a DraftLengthController. The state is built for the longest chain, so
-  every length runs on it; each length (and longer length it follows) compiles once."""
+  every length runs on it; each length compiles once."""
   longest = topology.depth
   if controller is None:
     controller = DraftLengthController(k_max=longest)
@@ -168,7 +168,6 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                           layout=layout, drafter=drafter, topology=topology)
   counters = jax.device_get(state.counters)
   tail = jax.device_get(_tail_report(state, num_requests=inputs[2].shape[0]))
-  previous = 0  # after prefill the drafter has one token to catch up on
   while True:
     remaining_N, queued = tail
     # While requests wait, every freed slot is refilled: tokens per second is what
@@ -179,12 +178,12 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     if k == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
       rounds = dict(drafter_params=(), drafter=None, topology=None, draft_mode=None)
     else:
-      # The drafter catches up on what the last round accepted: at most the previous
-      # length + 1 tokens in this batch's first round, k + 1 after it. Sizing for that,
-      # not for the longest chain, keeps a steady length as cheap as a fixed one.
+      # The drafter catches up on up to the longest chain + 1 tokens whatever k is
+      # (the last round may have been the longest): one program per length, so a
+      # rollout never stops to compile for a new pair of consecutive lengths.
       rounds = dict(drafter_params=drafter_params, drafter=drafter,
                     topology=TreeTopology((1,) * k), draft_mode=draft_mode,
-                    max_pending=max(k, previous) + 1)
+                    max_pending=longest + 1)
     max_rounds = jnp.int32(controller.decision_rounds(rounds_per_decision))
     state, report = _continue_and_report(graphdef, params, state=state, prompts=prompts,
                                          max_rounds=max_rounds, sampling=sampling,
@@ -197,7 +196,7 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
         k, int(now["target_calls"] - counters["target_calls"]), None if compiled else seconds,
         now["accepted_per_position"] - counters["accepted_per_position"],
         int(now["draft_rounds"] - counters["draft_rounds"]))
-    counters, previous = now, k
+    counters = now
     if done:
       break
   final = _fetch_results(state)
