@@ -145,21 +145,29 @@ def bench_async(session: Session, models, kind: str, lag: int, steps: int, warmu
           "max_policy_lag_seen": max(r["policy_lag"] for r in records)}
 
 
-# spec_pair's medium target and draft model as the experiment's policy and drafter.
-MEDIUM = ["--policy.hidden_size=768", "--policy.intermediate_size=2048",
-          "--policy.num_layers=6", "--policy.num_heads=12", "--policy.num_kv_heads=4",
-          "--policy.head_dim=64", "--drafter.hidden_size=96", "--drafter.intermediate_size=256",
-          "--drafter.num_layers=1", "--drafter.num_heads=3", "--drafter.num_kv_heads=1",
-          "--drafter.head_dim=32", "--task.min_digits=2", "--task.max_digits=4"]
+def _spec_pair():
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import spec_pair
+  return spec_pair
+
+
+def _medium_overrides() -> list[str]:
+  """spec_pair's medium target and draft model shapes, and its task, as the
+  experiment's policy, drafter and task."""
+  pair = _spec_pair()
+  shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+           "head_dim")
+  return ([f"--policy.{f}={getattr(pair.MEDIUM_TARGET, f)}" for f in shape]
+          + [f"--drafter.{f}={getattr(pair.DRAFT, f)}" for f in shape]
+          + [f"--task.min_digits={pair.TASK.min_digits}",
+             f"--task.max_digits={pair.TASK.max_digits}"])
 
 
 def _medium_warm_start(folder: str) -> None:
   """Writes spec_pair's medium target and draft model where a Session loads its warm
   start from (they were SFT'd / distilled on the same task)."""
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import spec_pair
   from specrl_jax import checkpoint
-  target, draft = spec_pair.load_or_train(size="medium")
+  target, draft = _spec_pair().load_or_train(size="medium")
   if os.path.exists(folder):
     shutil.rmtree(folder)
   checkpoint.save_model(os.path.join(folder, "policy"), target)
@@ -174,7 +182,7 @@ def main() -> int:
   config = experiment_config("demo", [
       f"--rl.mesh={devices},1,1", "--output.progress=false", "--output.plots=false",
       f"--output.directory={args.out}", f"--rl.prompts_per_step={prompts}"]
-      + (MEDIUM if args.policy == "medium" else []))
+      + (_medium_overrides() if args.policy == "medium" else []))
   if args.policy == "medium":
     _medium_warm_start(os.path.join(args.out, "warm_start"))
   else:

@@ -27,13 +27,9 @@ def best_of(run: Callable[[], object], repeats: int) -> float:
 def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
   """Best-of-``repeats`` seconds per entry, alternating entries so that drifting machine
   load hits every contender alike (ratios stay meaningful on a noisy machine)."""
-  times: dict[str, list[float]] = {name: [] for name in runs}
-  for _ in range(repeats):
-    for name, run in runs.items():
-      start = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - start)
-  return {name: min(values) for name, values in times.items()}
+  timed = paired_samples({name: (lambda _, run=run: run()) for name, run in runs.items()},
+                         repeats)
+  return {name: min(seconds for seconds, _ in results) for name, results in timed.items()}
 
 
 def paired_samples(runs: dict[str, Callable[[int], object]], samples: int

@@ -60,8 +60,11 @@ class DraftLengthController:
   reached_D: np.ndarray = dataclasses.field(init=False)
   round_seconds: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
   history: list[tuple[int, int]] = dataclasses.field(init=False, default_factory=list)
-  # (k, rounds, seconds, weight) of every timed batch still weighing in the fit.
-  _timings: list[list] = dataclasses.field(init=False, repr=False, default_factory=list)
+  # Per length: faded sums of timed seconds and of the rounds they covered.
+  _timed_seconds: dict[int, float] = dataclasses.field(init=False, repr=False,
+                                                       default_factory=dict)
+  _timed_rounds: dict[int, float] = dataclasses.field(init=False, repr=False,
+                                                      default_factory=dict)
   _probe_interval: int = dataclasses.field(init=False, repr=False)
   _since_probe: int = dataclasses.field(init=False, repr=False, default=0)
   _streak: int = dataclasses.field(init=False, repr=False, default=0)
@@ -166,17 +169,13 @@ class DraftLengthController:
     if rounds <= 0:
       return
     if seconds is not None:
-      for timing in self._timings:
-        if timing[0] == k:
-          timing[3] *= 1 - self.smoothing
-      self._timings = [t for t in self._timings if t[3] > 1e-3]
-      self._timings.append([k, rounds, seconds, 1.0])
-      mine = [t for t in self._timings if t[0] == k]
       # Seconds over rounds, not a mean of per-round times: a batch cut short by the
       # end of a rollout spreads its fixed dispatch cost over few rounds and counts
-      # only as much as its rounds.
-      self.round_seconds[k] = (sum(t[3] * t[2] for t in mine)
-                               / sum(t[3] * t[1] for t in mine))
+      # only as much as its rounds. Older batches fade like the acceptance counts.
+      keep = 1 - self.smoothing
+      self._timed_seconds[k] = keep * self._timed_seconds.get(k, 0.0) + seconds
+      self._timed_rounds[k] = keep * self._timed_rounds.get(k, 0.0) + rounds
+      self.round_seconds[k] = self._timed_seconds[k] / self._timed_rounds[k]
     if k == 0 or drafted_slot_rounds <= 0:
       return
     accepted = np.asarray(accepted_D[:k], np.float64)
