@@ -280,7 +280,8 @@ plt.show()
 # ## Next
 #
 # * `docs/drafters.md` describes the full interface: drafters that keep their own KV
-#   cache (`kv_layers`, `prefill`, `pending_tokens`), read the target's hidden states
-#   (`hidden_layers`, `finish`), or carry per-slot state (`init_state`, `on_admit`).
+#   cache (`kv_layers`, `prefill`, `tokens_to_feed`, `catch_up`), read the target's
+#   hidden states (`hidden_layers`, `finish`, `record`), or carry per-slot state
+#   (`init_state`, `on_admit`).
 # * To train a drafter during RL, register an `OnlineDrafter` builder
 #   (`specrl_jax.rl.online_drafters.register`).

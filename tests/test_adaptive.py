@@ -232,6 +232,73 @@ def test_adaptive_greedy_output_is_identical_to_plain_greedy(target, noisy_draft
   np.testing.assert_array_equal(adaptive.lengths, plain.lengths)
 
 
+class ScriptedController(DraftLengthController):
+  """Chooses the given lengths in turn (then plain), growing its batches as the real
+  one does when a length repeats."""
+
+  def __init__(self, k_max, script):
+    super().__init__(k_max=k_max)
+    self._script = list(script)
+
+  def choose(self, remaining_tokens=None):
+    return self._settle(self._script.pop(0) if self._script else 0)
+
+
+def test_a_drafter_kept_in_step_through_plain_rounds_drafts_as_if_it_had_drafted_all_along(
+    target):
+  # The target drafting for itself, greedily, has every draft accepted, provided its
+  # cache holds every emitted token: plain rounds after a drafting batch catch up on
+  # its accepted drafts first, then feed one token per round. A token skipped would
+  # leave a hole in the drafter's cache and its drafts would start to miss.
+  prompts = [[5], [3, 10, 11], [9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8], [11, 0, 1, 2, 4]]
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=24)
+  engine = EngineConfig(page_size=4, num_slots=2)  # slots are refilled mid-flight
+  plain = generate(target, prompts, sampling=sampling, engine=engine)
+  controller = ScriptedController(3, [3, 0, 0, 2, 0, 0, 0, 3, 0, 1, 3, 0, 0, 3, 3])
+  out = generate(target, prompts, sampling=sampling, engine=engine,
+                 drafter=drafters.DraftModel(target),
+                 spec=SpecConfig(num_draft_tokens=3, adaptive=True, rounds_per_decision=2),
+                 controller=controller)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  schedule = [k for k, _ in out.stats["draft_length_schedule"]]
+  assert schedule[:4] == [3, 0, 0, 2]
+  assert out.stats["per_position_acceptance"] == [1.0, 1.0, 1.0]
+
+
+class Eagle3KeptInStepEveryRound(drafters.Eagle3):
+  """EAGLE-3 that runs its layer in plain rounds too (the path of drafters that cannot
+  catch up later): the reference for the one that sits them out."""
+  catches_up = False
+
+
+def test_a_hidden_state_drafter_that_sits_out_plain_rounds_drafts_exactly_as_one_kept_in_step(
+    target):
+  # Features of plain rounds are stored as they pass; the head's own cache over them is
+  # computed when drafting resumes. Its drafts, and so what is accepted, must be those
+  # of a head fed every round.
+  prompts = [[5], [3, 10, 11], [9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8], [11, 0, 1, 2, 4]]
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=24)
+  engine = EngineConfig(page_size=4, num_slots=2)
+  script = [3, 0, 0, 2, 0, 0, 0, 3, 0, 1, 3, 0, 0, 3, 3]
+  outputs = {}
+  for name, kind in (("sits_out", drafters.Eagle3), ("every_round", Eagle3KeptInStepEveryRound)):
+    # Two draft tokens, the two the greedy target emits most: an untrained head then
+    # drafts right often enough for a wrong cache to show.
+    drafter = kind(target, target_layers=(0, 1, 1), draft_to_target=[1, 8], seed=3)
+    outputs[name] = generate(
+        target, prompts, sampling=sampling, engine=engine, drafter=drafter,
+        spec=SpecConfig(num_draft_tokens=3, adaptive=True, rounds_per_decision=2),
+        controller=ScriptedController(3, script))
+  sits_out, every_round = outputs["sits_out"], outputs["every_round"]
+  np.testing.assert_array_equal(sits_out.tokens, every_round.tokens)
+  assert (sits_out.stats["draft_length_schedule"]
+          == every_round.stats["draft_length_schedule"])
+  assert sits_out.stats["target_calls"] == every_round.stats["target_calls"]
+  np.testing.assert_allclose(sits_out.stats["per_position_acceptance"],
+                             every_round.stats["per_position_acceptance"])
+  assert 0 < sits_out.stats["per_position_acceptance"][0] < 1  # drafts that can miss
+
+
 def test_a_controller_passed_to_every_call_carries_its_measurements_over(target, noisy_drafter):
   prompts = [[1, 2, 3], [4, 5]]
   sampling = SamplingParams(temperature=1.0, max_new_tokens=8)

@@ -20,6 +20,7 @@ from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling.prefill import prefill
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.adaptive import DraftLengthController
+from specrl_jax.speculative.catch_up import catch_up_drafter
 from specrl_jax.speculative.round import speculative_round
 from specrl_jax.speculative.topology import TreeTopology
 
@@ -168,6 +169,11 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                           layout=layout, drafter=drafter, topology=topology)
   counters = jax.device_get(state.counters)
   tail = jax.device_get(_tail_report(state, num_requests=inputs[2].shape[0]))
+  # Tokens a drafter that cannot sit out plain rounds may have to catch up on next
+  # round: after a drafting round, the accepted drafts and the bonus token (up to the
+  # longest chain + 1, whatever k was: one program per length, so a rollout never stops
+  # to compile for a new pair of consecutive lengths); after a plain round, one.
+  catch_up = 1
   while True:
     remaining_N, queued = tail
     # While requests wait, every freed slot is refilled: tokens per second is what
@@ -175,19 +181,24 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     k = controller.choose(None if queued else remaining_N.tolist())
     compiled_before = _continue_and_report._cache_size()
     began = time.perf_counter()
+    max_rounds = controller.decision_rounds(rounds_per_decision)
     if k == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
-      rounds = dict(drafter_params=(), drafter=None, topology=None, draft_mode=None)
+      calls = [(dict(drafter_params=(), drafter=None, topology=None, draft_mode=None),
+                max_rounds)]
     else:
-      # The drafter catches up on up to the longest chain + 1 tokens whatever k is
-      # (the last round may have been the longest): one program per length, so a
-      # rollout never stops to compile for a new pair of consecutive lengths.
+      # k = 0 with a drafter that catches up: plain rounds that only ``record``.
       rounds = dict(drafter_params=drafter_params, drafter=drafter,
-                    topology=TreeTopology((1,) * k), draft_mode=draft_mode,
-                    max_pending=longest + 1)
-    max_rounds = jnp.int32(controller.decision_rounds(rounds_per_decision))
-    state, report = _continue_and_report(graphdef, params, state=state, prompts=prompts,
-                                         max_rounds=max_rounds, sampling=sampling,
-                                         layout=layout, **rounds)
+                    topology=TreeTopology((1,) * k), draft_mode=draft_mode)
+      calls = [(dict(rounds, max_pending=longest + 1 if k else 1), max_rounds)]
+      if k == 0 and catch_up > 1 and not drafter.catches_up:
+        # Its plain rounds feed it one token each; the first after drafting, more.
+        calls = [(dict(rounds, max_pending=catch_up), 1)] + (
+            [(calls[0][0], max_rounds - 1)] if max_rounds > 1 else [])
+    for rounds, batch_rounds in calls:  # dispatched back to back: no host sync between
+      state, report = _continue_and_report(graphdef, params, state=state, prompts=prompts,
+                                           max_rounds=jnp.int32(batch_rounds),
+                                           sampling=sampling, layout=layout, **rounds)
+    catch_up = longest + 1 if k else 1
     now, done, tail = jax.device_get(report)
     seconds = time.perf_counter() - began
     # A length's first batch includes compiling it: keep its acceptance, not its time.
@@ -266,7 +277,10 @@ def _to_output(final: DecodeState, seconds: float, drafter: Drafter | None = Non
   if drafted_rounds:
     accepted = counters["accepted_per_position"]
     stats["acceptance_length"] = 1.0 + float(accepted.sum()) / drafted_rounds
-    stats["per_position_acceptance"] = (accepted / drafted_rounds).tolist()
+    # Of the drafts at each position, the share accepted (a position is drafted
+    # only by chains at least that long).
+    drafted = counters["drafted_per_position"]
+    stats["per_position_acceptance"] = (accepted[drafted > 0] / drafted[drafted > 0]).tolist()
     stats["draft_rounds"] = drafted_rounds
   else:
     stats["acceptance_length"] = 1.0
@@ -287,6 +301,7 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
     layer_shapes += drafter.kv_layers()
     counters["draft_rounds"] = jnp.int32(0)
     counters["accepted_per_position"] = jnp.zeros((topology.depth,), jnp.int32)
+    counters["drafted_per_position"] = jnp.zeros((topology.depth,), jnp.int32)
     drafter_state = drafter.init_state(layout.num_slots)
   k_pages, v_pages = init_pages(layer_shapes, layout.num_pages, layout.page_size,
                                 jnp.dtype(config.dtype))
@@ -324,6 +339,12 @@ def _round_hooks(model: Transformer, drafter_params, sampling: SamplingParams,
   def round_fn(s):
     return speculative_round(model, drafter, drafter_params, s, sampling, topology,
                              draft_mode, max_pending)
+
+  def idle_round_fn(s):
+    return plain_round(model, s, sampling, drafter, drafter_params)
+
+  if topology.depth == 0 and drafter.catches_up:
+    return idle_round_fn, on_admit
   return round_fn, on_admit
 
 
@@ -363,6 +384,9 @@ def continue_rollout(graphdef, params, drafter_params, state: DecodeState, promp
   model = nnx.merge(graphdef, params)
   round_fn, on_admit = _round_hooks(model, drafter_params, sampling, drafter, topology,
                                     draft_mode, max_pending)
+  if drafter is not None and drafter.catches_up and topology.depth > 0:
+    # After plain rounds that left the drafter idle (adaptive k = 0); otherwise a no-op.
+    state = catch_up_drafter(drafter, drafter_params, state, model.config.num_layers)
   return run_loop(state, prompts, round_fn, sampling, continuous=layout.continuous,
                   on_admit=on_admit, max_rounds=max_rounds)
 

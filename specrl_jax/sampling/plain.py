@@ -6,12 +6,17 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams
+from specrl_jax.kv.paged import LayerOffset
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import DecodeState, emit, reserve_pages
 from specrl_jax.sampling.warp import sample_tokens, warped_log_probs
+from specrl_jax.speculative.drafters.base import RoundInputs
 
 
-def plain_round(model: Transformer, state: DecodeState, sampling: SamplingParams) -> DecodeState:
+def plain_round(model: Transformer, state: DecodeState, sampling: SamplingParams,
+                drafter=None, drafter_params=()) -> DecodeState:
+  """``drafter``: an idle drafter that ``catches_up`` (adaptive speculation with k = 0),
+  shown the target's output through ``record``."""
   active_N = state.active_N
   positions_N = state.cache_lengths_N
   state = reserve_pages(state, jnp.where(active_N, positions_N + 1, 0), max_new_pages=1)
@@ -20,13 +25,20 @@ def plain_round(model: Transformer, state: DecodeState, sampling: SamplingParams
       prefix_lengths_B=positions_N,
       new_mask_BxTxT=jnp.ones((num_slots, 1, 1), bool),
       write_positions_BxT=jnp.where(active_N, positions_N, -1)[:, None])
-  out = model.forward(state.last_token_N[:, None], positions_BxT=positions_N[:, None], kv=kv)
+  out = model.forward(state.last_token_N[:, None], positions_BxT=positions_N[:, None], kv=kv,
+                      hidden_layers=drafter.hidden_layers if drafter is not None else ())
+  pages = out.kv
+  if drafter is not None:
+    drafter_state, drafter_kv = drafter.record(
+        drafter_params, state.drafter, LayerOffset(inner=out.kv, offset=model.config.num_layers),
+        RoundInputs.of(state), out)
+    state, pages = state.replace(drafter=drafter_state), drafter_kv.inner
   log_probs_NxV = warped_log_probs(out.logits[:, 0], sampling)
   rng, key = jax.random.split(state.rng)
   token_N = sample_tokens(key, log_probs_NxV, sampling)
   token_log_prob_N = jnp.take_along_axis(log_probs_NxV, token_N[:, None], axis=1)
   counters = dict(state.counters, target_calls=state.counters["target_calls"] + 1)
-  state = state.replace(kv=state.kv.replace(k_pages=out.kv.k_pages, v_pages=out.kv.v_pages),
+  state = state.replace(kv=state.kv.replace(k_pages=pages.k_pages, v_pages=pages.v_pages),
                         rng=rng, counters=counters,
                         cache_lengths_N=positions_N + active_N.astype(jnp.int32))
   state, _ = emit(state, token_N[:, None], token_log_prob_N, active_N.astype(jnp.int32),

@@ -28,10 +28,7 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
   page_size = page_size_of(state.kv.k_pages[0])
   state = reserve_pages(state, jnp.where(active_N, cached_N + 1 + depth, 0),
                         max_new_pages=-(-(depth + 1) // page_size) + 1)
-  inputs = RoundInputs(last_token_N=state.last_token_N, cache_lengths_N=cached_N,
-                       history_NxC=state.history_NxC, active_N=active_N,
-                       prompt_lengths_N=state.prompt_lengths_N,
-                       slot_request_N=state.slot_request_N)
+  inputs = RoundInputs.of(state)
   rng, draft_key, verify_key = jax.random.split(state.rng, 3)
   drafter_kv = LayerOffset(inner=state.kv, offset=model.config.num_layers)
   tree, drafter_state, drafter_kv = draft_tree(draft_key, drafter, drafter_params,
@@ -74,6 +71,9 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
   longest = counters["accepted_per_position"].shape[0]
   counters["accepted_per_position"] = counters["accepted_per_position"] + jnp.pad(
       accepted_D, (0, longest - depth))
+  # Rounds of different lengths (adaptive) draft different positions.
+  counters["drafted_per_position"] = counters["drafted_per_position"] + jnp.where(
+      jnp.arange(longest) < depth, jnp.sum(active_N, dtype=jnp.int32), 0)
   state = state.replace(
       kv=state.kv.replace(k_pages=drafter_kv.inner.k_pages, v_pages=drafter_kv.inner.v_pages),
       drafter=drafter_state, rng=rng, counters=counters,

@@ -41,20 +41,30 @@ class RoundInputs:
   slot_request_N: Array
 
 
-def pending_tokens(inputs: RoundInputs, cached_N: Array, max_pending: int):
-  """The tokens a drafter with its own cache has not fed yet: positions cached_N[n] ..
-  cache_lengths_N[n] (the accepted drafts and the last token), padded to max_pending.
+  @classmethod
+  def of(cls, state) -> "RoundInputs":
+    """What the decode state (``sampling.engine.DecodeState``) shows a drafter."""
+    return cls(last_token_N=state.last_token_N, cache_lengths_N=state.cache_lengths_N,
+               history_NxC=state.history_NxC, active_N=state.active_N,
+               prompt_lengths_N=state.prompt_lengths_N, slot_request_N=state.slot_request_N)
 
-  Returns (tokens_NxP, positions_NxP, valid_NxP, pending_N); invalid entries hold 0.
-  """
-  pending_N = jnp.where(inputs.active_N, inputs.cache_lengths_N - cached_N + 1, 0)
-  index_P = jnp.arange(max_pending, dtype=jnp.int32)
+
+def tokens_to_feed(inputs: RoundInputs, cached_N: Array, count_N: Array, width: int):
+  """count_N[n] tokens of slot n's history from position cached_N[n] on, padded to
+  ``width``. Returns (tokens_NxP, positions_NxP, valid_NxP); invalid entries hold 0."""
+  index_P = jnp.arange(width, dtype=jnp.int32)
   positions_NxP = cached_N[:, None] + index_P[None, :]
-  valid_NxP = index_P[None, :] < pending_N[:, None]
+  valid_NxP = index_P[None, :] < count_N[:, None]
   context = inputs.history_NxC.shape[1]
   tokens_NxP = jnp.take_along_axis(inputs.history_NxC,
                                    jnp.clip(positions_NxP, 0, context - 1), axis=1)
-  return jnp.where(valid_NxP, tokens_NxP, 0), positions_NxP, valid_NxP, pending_N
+  return jnp.where(valid_NxP, tokens_NxP, 0), positions_NxP, valid_NxP
+
+
+def unseen_tokens(inputs: RoundInputs, cached_N: Array) -> Array:
+  """Per active slot, the tokens before the last one that a drafter whose cache holds
+  cached_N[n] positions has not fed (what ``Drafter.catch_up`` feeds)."""
+  return jnp.where(inputs.active_N, jnp.maximum(inputs.cache_lengths_N - cached_N, 0), 0)
 
 
 class Drafter(abc.ABC):
@@ -66,6 +76,11 @@ class Drafter(abc.ABC):
   # True when the drafter keeps nothing between rounds (reads only the token history):
   # a round that drafts nothing is then a plain decoding step, with no drafter call.
   stateless: bool = False
+  # True when the drafter can sit out plain rounds (the adaptive engine's k = 0): they
+  # call ``record`` with the target's output, and before the drafter drafts again
+  # ``catch_up`` feeds it the tokens it missed. False: plain rounds with this drafter
+  # still run its start and finish on an empty draft.
+  catches_up: bool = False
 
   def check_target(self, target_config) -> None:
     """Raises a clear error when this drafter cannot serve ``target_config``."""
@@ -109,6 +124,22 @@ class Drafter(abc.ABC):
   def finish(self, params, state, kv, inputs: RoundInputs, verdict, target_output
              ) -> tuple[Any, Any]:
     """Sees the verification outcome (e.g. to read the target's hidden states)."""
+    return state, kv
+
+  def record(self, params, state, kv, inputs: RoundInputs, target_output) -> tuple[Any, Any]:
+    """A plain round fed each active slot's last token to the target (at position
+    inputs.cache_lengths_N): keep what cannot be recomputed later (e.g. the target's
+    hidden state there). Only for drafters that ``catches_up``."""
+    return state, kv
+
+  def unseen_tokens(self, state, inputs: RoundInputs) -> Array:
+    """Tokens per slot that ``catch_up`` still has to feed."""
+    return jnp.zeros_like(inputs.cache_lengths_N)
+
+  def catch_up(self, params, state, kv, inputs: RoundInputs, max_tokens: int
+               ) -> tuple[Any, Any]:
+    """Feeds up to ``max_tokens`` of each slot's unseen tokens (all emitted tokens but
+    the last, which the next ``start`` feeds)."""
     return state, kv
 
   def stats(self, state) -> dict[str, float]:

@@ -10,7 +10,7 @@ from specrl_jax.config import ConfigError, ModelConfig
 from specrl_jax.kv.paged import LayerOffset
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.warp import proposal_log_probs
-from specrl_jax.speculative.drafters.base import Drafter, pending_tokens
+from specrl_jax.speculative.drafters.base import Drafter, tokens_to_feed, unseen_tokens
 
 Array = jax.Array
 
@@ -66,23 +66,39 @@ class DraftModel(Drafter):
     lengths = jnp.where(admit_N, prompt_lengths_N, state["cache_lengths_N"])
     return {"cache_lengths_N": lengths}
 
-  def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
-    cached_N = state["cache_lengths_N"]
-    tokens_NxP, positions_NxP, valid_NxP, pending_N = pending_tokens(inputs, cached_N,
-                                                                     max_pending)
-    index_P = jnp.arange(max_pending, dtype=jnp.int32)
+  def _feed(self, params, kv: LayerOffset, inputs, cached_N, count_N, width: int):
+    """Writes the KV of count_N[n] history tokens from position cached_N[n] on; returns
+    the forward's output (hidden states, no logits)."""
+    tokens_NxP, positions_NxP, valid_NxP = tokens_to_feed(inputs, cached_N, count_N, width)
+    index_P = jnp.arange(width, dtype=jnp.int32)
     causal_PxP = index_P[:, None] >= index_P[None, :]
     step_kv = kv.replace(inner=kv.inner.replace(
         prefix_lengths_B=cached_N,
         new_mask_BxTxT=causal_PxP[None] & valid_NxP[:, None, :],
         write_positions_BxT=jnp.where(valid_NxP, positions_NxP, -1)))
-    out = self._model(params).forward(tokens_NxP, positions_BxT=positions_NxP, kv=step_kv,
-                                      compute_logits=False)
+    return self._model(params).forward(tokens_NxP, positions_BxT=positions_NxP, kv=step_kv,
+                                       compute_logits=False)
+
+  def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
+    cached_N = state["cache_lengths_N"]
+    pending_N = unseen_tokens(inputs, cached_N) + inputs.active_N  # and the last token
+    out = self._feed(params, kv, inputs, cached_N, pending_N, max_pending)
     last_NxD = jnp.take_along_axis(out.hidden, jnp.maximum(pending_N - 1, 0)[:, None, None],
                                    axis=1)
     log_q_NxV = proposal_log_probs(self._model(params).unembed(last_NxD)[:, 0], sampling)
     state = {"cache_lengths_N": jnp.where(inputs.active_N, inputs.cache_lengths_N + 1, cached_N)}
     return log_q_NxV, state, out.kv, ()
+
+  catches_up = True  # its cache is all it keeps, and history holds every token
+
+  def unseen_tokens(self, state, inputs):
+    return unseen_tokens(inputs, state["cache_lengths_N"])
+
+  def catch_up(self, params, state, kv: LayerOffset, inputs, max_tokens):
+    cached_N = state["cache_lengths_N"]
+    count_N = jnp.minimum(unseen_tokens(inputs, cached_N), max_tokens)
+    out = self._feed(params, kv, inputs, cached_N, count_N, max_tokens)
+    return {"cache_lengths_N": cached_N + count_N}, out.kv
 
   def extend(self, params, state, kv: LayerOffset, scratch, inputs, sampling, depth,
              tokens_NxW, paths_NxWxD, mask_WxE):

@@ -33,7 +33,7 @@ from specrl_jax.config import ConfigError
 from specrl_jax.kv.paged import LayerOffset, PagedKV, read_pages, write_pages
 from specrl_jax.parallel.rules import path_string as rules_path
 from specrl_jax.sampling.warp import proposal_log_probs
-from specrl_jax.speculative.drafters.base import Drafter, pending_tokens
+from specrl_jax.speculative.drafters.base import Drafter, tokens_to_feed, unseen_tokens
 
 Array = jax.Array
 
@@ -219,12 +219,13 @@ class HiddenStateDrafter(Drafter):
                            features_UxTxD)
     return state, kv.replace(inner=inner)
 
-  def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
+  def _feed(self, params, kv: LayerOffset, inputs, cached_N, count_N, width: int):
+    """Runs the head over count_N[n] history tokens from position cached_N[n] on, each
+    with the stored feature of the position before, writing its KV. Returns (outputs
+    [N, width, D], kv)."""
     head = merge_weights(self.graphdef, params["weights"])
-    cached_N = state["cache_lengths_N"]
-    tokens_NxP, positions_NxP, valid_NxP, pending_N = pending_tokens(inputs, cached_N,
-                                                                     max_pending)
-    index_P = jnp.arange(max_pending, dtype=jnp.int32)
+    tokens_NxP, positions_NxP, valid_NxP = tokens_to_feed(inputs, cached_N, count_N, width)
+    index_P = jnp.arange(width, dtype=jnp.int32)
     features_NxPxD = read_features(kv.inner, kv.offset + FEATURE_LAYER,
                                    jnp.where(valid_NxP, positions_NxP - 1, -1), self.hidden_size)
     causal_PxP = index_P[:, None] >= index_P[None, :]
@@ -232,7 +233,12 @@ class HiddenStateDrafter(Drafter):
         prefix_lengths_B=cached_N,
         new_mask_BxTxT=causal_PxP[None] & valid_NxP[:, None, :],
         write_positions_BxT=jnp.where(valid_NxP, positions_NxP, -1)))
-    outputs_NxPxD, kv = head.decode(tokens_NxP, features_NxPxD, positions_NxP, step_kv)
+    return head.decode(tokens_NxP, features_NxPxD, positions_NxP, step_kv)
+
+  def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
+    cached_N = state["cache_lengths_N"]
+    pending_N = unseen_tokens(inputs, cached_N) + inputs.active_N  # and the last token
+    outputs_NxPxD, kv = self._feed(params, kv, inputs, cached_N, pending_N, max_pending)
     root_Nx1xD = jnp.take_along_axis(outputs_NxPxD,
                                      jnp.maximum(pending_N - 1, 0)[:, None, None], axis=1)
     log_q_NxV = self.target_log_q(params, root_Nx1xD, sampling)[:, 0]
@@ -240,6 +246,25 @@ class HiddenStateDrafter(Drafter):
     # Scratch: the uncommitted keys/values of drafted levels and the outputs of the
     # latest level, which its children read as their feature.
     return log_q_NxV, state, kv, ((), (), root_Nx1xD)
+
+  # The target's features of plain rounds are stored by ``record``; the head's own
+  # KV over them is computed when it drafts again.
+  catches_up = True
+
+  def unseen_tokens(self, state, inputs):
+    return unseen_tokens(inputs, state["cache_lengths_N"])
+
+  def catch_up(self, params, state, kv: LayerOffset, inputs, max_tokens):
+    cached_N = state["cache_lengths_N"]
+    count_N = jnp.minimum(unseen_tokens(inputs, cached_N), max_tokens)
+    _, kv = self._feed(params, kv, inputs, cached_N, count_N, max_tokens)
+    return {"cache_lengths_N": cached_N + count_N}, kv
+
+  def record(self, params, state, kv: LayerOffset, inputs, target_output):
+    positions_Nx1 = jnp.where(inputs.active_N, inputs.cache_lengths_N, -1)[:, None]
+    inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, positions_Nx1,
+                           self.features(params, target_output))
+    return state, kv.replace(inner=inner)
 
   def extend(self, params, state, kv: LayerOffset, scratch, inputs, sampling, depth,
              tokens_NxW, paths_NxWxD, mask_WxE):
