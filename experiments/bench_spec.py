@@ -42,6 +42,13 @@ def make_prompts(batch: int, seed: int) -> list[list[int]]:
           for _ in range(batch)]
 
 
+def _mean_per_position(rates: list[list[float]]) -> list[float]:
+  """Per draft position, the mean over the samples that drafted it (an adaptive run
+  need not reach every position)."""
+  longest = max(map(len, rates), default=0)
+  return [round(float(np.mean([r[i] for r in rates if len(r) > i])), 3) for i in range(longest)]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -114,8 +121,8 @@ def main(argv=None) -> int:
              "tokens_per_second": round(common.median(rates[name]), 1),
              "speedup_vs_plain": round(common.median(speedups), 3),
              "acceptance_length": round(np.mean([o.stats["acceptance_length"] for o in outs]), 3),
-             "per_position_acceptance": [round(a, 3) for a in np.mean(
-                 [o.stats["per_position_acceptance"] for o in outs], axis=0).tolist()],
+             "per_position_acceptance": _mean_per_position(
+                 [o.stats["per_position_acceptance"] for o in outs]),
              "target_calls": [o.stats["target_calls"] for o in outs],
              "generated_tokens": [int(o.lengths.sum()) for o in outs]}
       if "draft_length_schedule" in outs[0].stats:

@@ -184,20 +184,24 @@ class PagedKV:
       visit = len(self.new_k)
       k_visible = jnp.concatenate([self.scratch_k[visit], k_BxTxKxD], axis=1)
       v_visible = jnp.concatenate([self.scratch_v[visit], v_BxTxKxD], axis=1)
-    out = self.attention_fn(q_BxTxHxD, self.k_pages[layer], self.v_pages[layer],
+    kv = self
+    if self.stash:
+      kv = self.replace(new_k=self.new_k + (k_BxTxKxD,), new_v=self.new_v + (v_BxTxKxD,))
+    else:
+      # Write first, then read the written pages: the new positions are at or past the
+      # prefix lengths, so attention masks them there (it sees the new tokens through
+      # k_visible). Reading before writing would let XLA schedule the write first and
+      # copy the whole page array, twice per layer and round (an optimization barrier
+      # does not prevent it on CPU); this order is a data dependence it keeps.
+      kv = self.replace(
+          k_pages=_replace_at(self.k_pages, layer, write_pages(
+              self.k_pages[layer], self.page_table_BxM, self.write_positions_BxT, k_BxTxKxD)),
+          v_pages=_replace_at(self.v_pages, layer, write_pages(
+              self.v_pages[layer], self.page_table_BxM, self.write_positions_BxT, v_BxTxKxD)))
+    out = self.attention_fn(q_BxTxHxD, kv.k_pages[layer], kv.v_pages[layer],
                             self.page_table_BxM, self.prefix_lengths_B, k_visible,
                             v_visible, self.new_mask_BxTxT)
-    if self.stash:
-      return out, self.replace(new_k=self.new_k + (k_BxTxKxD,), new_v=self.new_v + (v_BxTxKxD,))
-    # Order the in-place write after the read: without this data dependence XLA copies
-    # the whole page array to keep the pre-write version alive for the gather.
-    out, k_layer, v_layer = jax.lax.optimization_barrier(
-        (out, self.k_pages[layer], self.v_pages[layer]))
-    k_pages = _replace_at(self.k_pages, layer, write_pages(
-        k_layer, self.page_table_BxM, self.write_positions_BxT, k_BxTxKxD))
-    v_pages = _replace_at(self.v_pages, layer, write_pages(
-        v_layer, self.page_table_BxM, self.write_positions_BxT, v_BxTxKxD))
-    return out, self.replace(k_pages=k_pages, v_pages=v_pages)
+    return out, kv
 
   def commit(self, source_index_BxT: Array, positions_BxT: Array,
              first_layer: int = 0) -> "PagedKV":
