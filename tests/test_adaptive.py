@@ -254,7 +254,8 @@ def test_a_drafter_kept_in_step_through_plain_rounds_drafts_as_if_it_had_drafted
   sampling = SamplingParams(temperature=0.0, max_new_tokens=24)
   engine = EngineConfig(page_size=4, num_slots=2)  # slots are refilled mid-flight
   plain = generate(target, prompts, sampling=sampling, engine=engine)
-  controller = ScriptedController(3, [3, 0, 0, 2, 0, 0, 0, 3, 0, 1, 3, 0, 0, 3, 3])
+  # Every kind of switch: drafting to plain and back, longer to shorter chains.
+  controller = ScriptedController(3, [3, 0, 0, 2, 0, 0, 0, 3, 1, 0, 3, 2, 1, 3, 3])
   out = generate(target, prompts, sampling=sampling, engine=engine,
                  drafter=drafters.DraftModel(target),
                  spec=SpecConfig(num_draft_tokens=3, adaptive=True, rounds_per_decision=2),
@@ -279,7 +280,7 @@ def test_a_hidden_state_drafter_that_sits_out_plain_rounds_drafts_exactly_as_one
   prompts = [[5], [3, 10, 11], [9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8], [11, 0, 1, 2, 4]]
   sampling = SamplingParams(temperature=0.0, max_new_tokens=24)
   engine = EngineConfig(page_size=4, num_slots=2)
-  script = [3, 0, 0, 2, 0, 0, 0, 3, 0, 1, 3, 0, 0, 3, 3]
+  script = [3, 0, 0, 2, 0, 0, 0, 3, 1, 0, 3, 2, 1, 3, 3]
   outputs = {}
   for name, kind in (("sits_out", drafters.Eagle3), ("every_round", Eagle3KeptInStepEveryRound)):
     # Two draft tokens, the two the greedy target emits most: an untrained head then

@@ -169,11 +169,14 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                           layout=layout, drafter=drafter, topology=topology)
   counters = jax.device_get(state.counters)
   tail = jax.device_get(_tail_report(state, num_requests=inputs[2].shape[0]))
-  # Tokens a drafter that cannot sit out plain rounds may have to catch up on next
-  # round: after a drafting round, the accepted drafts and the bonus token (up to the
-  # longest chain + 1, whatever k was: one program per length, so a rollout never stops
-  # to compile for a new pair of consecutive lengths); after a plain round, one.
+  # A round's drafter first feeds the tokens emitted since it last saw the sequence: up
+  # to k + 1 after a round of length k. A drafter that catches up is brought in step at
+  # the start of each batch (``catch_up_drafter``), so rounds of length k feed at most
+  # k + 1. Others feed up to the longest chain + 1 whatever k is (one program per
+  # length, so a rollout never stops to compile for a pair of consecutive lengths),
+  # and in plain rounds one token, after a first round that feeds what drafting left.
   catch_up = 1
+  longest_pending = (lambda k: k + 1) if drafter.catches_up else (lambda k: longest + 1)
   while True:
     remaining_N, queued = tail
     # While requests wait, every freed slot is refilled: tokens per second is what
@@ -189,7 +192,7 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
       # k = 0 with a drafter that catches up: plain rounds that only ``record``.
       rounds = dict(drafter_params=drafter_params, drafter=drafter,
                     topology=TreeTopology((1,) * k), draft_mode=draft_mode)
-      calls = [(dict(rounds, max_pending=longest + 1 if k else 1), max_rounds)]
+      calls = [(dict(rounds, max_pending=longest_pending(k) if k else 1), max_rounds)]
       if k == 0 and catch_up > 1 and not drafter.catches_up:
         # Its plain rounds feed it one token each; the first after drafting, more.
         calls = [(dict(rounds, max_pending=catch_up), 1)] + (
