@@ -155,7 +155,12 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                        controller: DraftLengthController | None) -> GenerateOutput:
   """Decodes in batches of rounds, re-choosing the chain length (0 = plain) between
   batches with a DraftLengthController. The state is built for the longest chain, so
-  every length runs on it; each length compiles once."""
+  every length runs on it; each length compiles once.
+
+  When the controller has settled on plain decoding and no probe of a chain is due,
+  the whole rollout is plain decoding's own program, without the drafter's state (no
+  drafter prefill, no records): it costs what ``generate`` without a drafter costs, and
+  reports no ``stats["drafter"]``."""
   longest = topology.depth
   if controller is None:
     controller = DraftLengthController(k_max=longest)
@@ -163,12 +168,23 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     raise ValueError(f"controller.k_max={controller.k_max} differs from the spec's "
                      f"num_draft_tokens={longest}: they must match.")
   first_decision = len(controller.history)
+  num_requests = inputs[2].shape[0]
+  # What the tail report would say of a fresh state: every slot admitted, full budgets.
+  queued = num_requests > layout.num_slots
+  plain_measured = 0 in controller.round_seconds
+  k = controller.choose(
+      None if queued else [sampling.max_new_tokens] * min(layout.num_slots, num_requests))
+  if k == 0 and plain_measured:
+    return _plain_rollout(graphdef, params, inputs, rng, sampling=sampling, layout=layout,
+                          controller=controller, first_decision=first_decision)
   drafter_params = drafter.params()
   start = time.perf_counter()
   state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
                           layout=layout, drafter=drafter, topology=topology)
-  counters = jax.device_get(state.counters)
-  tail = jax.device_get(_tail_report(state, num_requests=inputs[2].shape[0]))
+  # Batches are timed from dispatch to read-back: the prefill must not count in the first.
+  jax.block_until_ready(state.counters)
+  counters = {"target_calls": 0, "draft_rounds": 0,
+              "accepted_per_position": np.zeros(longest, np.int64)}
   # A round's drafter first feeds the tokens emitted since it last saw the sequence: up
   # to k + 1 after a round of length k. A drafter that catches up is brought in step at
   # the start of each batch (``catch_up_drafter``), so rounds of length k feed at most
@@ -178,10 +194,6 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   catch_up = 1
   longest_pending = (lambda k: k + 1) if drafter.catches_up else (lambda k: longest + 1)
   while True:
-    remaining_N, queued = tail
-    # While requests wait, every freed slot is refilled: tokens per second is what
-    # counts. Without a queue the batch ends with its slowest sequence.
-    k = controller.choose(None if queued else remaining_N.tolist())
     compiled_before = _continue_and_report._cache_size()
     began = time.perf_counter()
     max_rounds = controller.decision_rounds(rounds_per_decision)
@@ -202,7 +214,7 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                                            max_rounds=jnp.int32(batch_rounds),
                                            sampling=sampling, layout=layout, **rounds)
     catch_up = longest + 1 if k else 1
-    now, done, tail = jax.device_get(report)
+    now, done, (remaining_N, queued) = jax.device_get(report)
     seconds = time.perf_counter() - began
     # A length's first batch includes compiling it: keep its acceptance, not its time.
     compiled = _continue_and_report._cache_size() > compiled_before
@@ -213,10 +225,33 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     counters = now
     if done:
       break
+    # While requests wait, every freed slot is refilled: tokens per second is what
+    # counts. Without a queue the batch ends with its slowest sequence.
+    k = controller.choose(None if queued else remaining_N.tolist())
   final = _fetch_results(state)
   seconds = time.perf_counter() - start
   _raise_if_exhausted(final, layout, inputs)
   output = _to_output(final, seconds, drafter)
+  output.stats["draft_length_schedule"] = controller.history[first_decision:]
+  output.stats["round_seconds_by_draft_length"] = dict(sorted(controller.round_seconds.items()))
+  return output
+
+
+def _plain_rollout(graphdef, params, inputs, rng, *, sampling: SamplingParams,
+                   layout: _Layout, controller: DraftLengthController,
+                   first_decision: int) -> GenerateOutput:
+  """A rollout the controller decided to decode plainly throughout: one decision."""
+  start = time.perf_counter()
+  final = _fetch_results(_generate(graphdef, params, (), *inputs, rng, sampling=sampling,
+                                   layout=layout, drafter=None, topology=None,
+                                   draft_mode=None))
+  seconds = time.perf_counter() - start
+  _raise_if_exhausted(final, layout, inputs)
+  # Its time includes the prefill: not a clean per-round time (plain rounds are timed
+  # again in the rollouts that probe a chain).
+  controller.observe(0, int(final.counters["target_calls"]), None,
+                     np.zeros(controller.k_max), 0)
+  output = _to_output(final, seconds)
   output.stats["draft_length_schedule"] = controller.history[first_decision:]
   output.stats["round_seconds_by_draft_length"] = dict(sorted(controller.round_seconds.items()))
   return output
@@ -436,9 +471,6 @@ def _tail(state: DecodeState, num_requests: int) -> tuple[jax.Array, jax.Array]:
   remaining_N = jnp.where(state.active_N, budget - state.generated_N,
                           jnp.where(admitted_N, budget, 0))
   return remaining_N, waiting > jnp.sum(free_N)
-
-
-_tail_report = jax.jit(_tail, static_argnames=("num_requests",))
 
 
 _continue_and_report = jax.jit(_continue_reporting,

@@ -11,12 +11,19 @@ Exploration is short, because rollouts are: the first decisions draft the longes
 chain (measuring every position's acceptance and the costliest round), then run plain
 rounds (the baseline), then the shortest chain. Tokens per round of every length then
 follow from the pooled per-position acceptance (a chain of k drafts the same first k
-tokens whatever k is), and round times of lengths not yet run from the line through
-the measured drafting lengths (k drafter steps plus a verify of k + 1 tokens: linear
-in k; a plain step is not on that line). The best length is run, and measured, from
+tokens whatever k is), and round times from the line through the measured drafting
+lengths, weighted by their rounds (k drafter steps plus a verify of k + 1 tokens:
+linear in k; a plain step is not on that line). The best length is run, and measured, from
 then on. While plain decoding wins, every ``explore_every``-th decision drafts the
 longest chain again (at doubling intervals while plain keeps winning) so that a
-drafter that improves (online training) is noticed.
+drafter that improves (online training) is noticed. While a chain wins, one batch now
+and then runs the next longer length instead (after 2, 4, 8, ... decisions, at most
+every ``explore_every``-th): a settled length stops measuring the positions past it,
+so a choice made on the few rounds of the first exploration would otherwise stand for
+good. (Shorter lengths need no such probe: their acceptance is measured by the
+winner's rounds and their time by the line.) Plain decoding
+that wins narrowly (the best chain within ``close_call`` of it) re-measures that chain
+the same way: one noisy timing must not switch speculation off until the next probe.
 
 Each batch of rounds also pays a fixed host cost (dispatch, reading the counters back).
 While the same length keeps winning, its batches grow (``decision_rounds``), which pays
@@ -44,7 +51,9 @@ class DraftLengthController:
   """Host-side controller; ``choose`` before each batch of rounds, ``observe`` after.
 
   k_max: the longest chain allowed. min_gain: speculation must beat plain decoding by
-  this factor to be chosen (hysteresis against timing noise). smoothing: weight of the
+  this factor to be chosen (hysteresis against timing noise). close_call: while plain
+  decoding wins, a chain predicted within this factor of it is re-measured now and
+  then (a neighbour probe) rather than only at the longest-chain probes. smoothing: weight of the
   newest batch of a length among that length's timings and in the acceptance counts
   (later rounds run a smaller tail batch and the drafter may improve, so old
   measurements go stale). max_batch_growth: a length chosen again and again runs in
@@ -53,6 +62,7 @@ class DraftLengthController:
 
   k_max: int
   min_gain: float = 1.03
+  close_call: float = 1.1
   explore_every: int = 16
   smoothing: float = 0.5
   max_batch_growth: int = 8
@@ -69,12 +79,17 @@ class DraftLengthController:
   _since_probe: int = dataclasses.field(init=False, repr=False, default=0)
   _streak: int = dataclasses.field(init=False, repr=False, default=0)
   _last_best: int | None = dataclasses.field(init=False, repr=False, default=None)
+  _neighbour_interval: int = dataclasses.field(init=False, repr=False, default=2)
+  _since_neighbour: int = dataclasses.field(init=False, repr=False, default=0)
+  _neighbour_probes: int = dataclasses.field(init=False, repr=False, default=0)
+  _probing: bool = dataclasses.field(init=False, repr=False, default=False)
 
   def __post_init__(self):
     owner = "DraftLengthController"
     check(isinstance(self.k_max, int) and self.k_max >= 1, owner, "k_max", self.k_max,
           "an integer >= 1")
     check(self.min_gain >= 1.0, owner, "min_gain", self.min_gain, "a number >= 1")
+    check(self.close_call >= 1.0, owner, "close_call", self.close_call, "a number >= 1")
     check(isinstance(self.explore_every, int) and self.explore_every >= 2, owner,
           "explore_every", self.explore_every, "an integer >= 2")
     check(0 < self.smoothing <= 1, owner, "smoothing", self.smoothing, "in (0, 1]")
@@ -95,12 +110,21 @@ class DraftLengthController:
     return rates
 
   def predicted_round_seconds(self, k: int) -> float:
-    if k in self.round_seconds:
-      return self.round_seconds[k]
+    """Seconds per round of length k. Drafting rounds (k drafter steps and a verify of
+    k + 1 tokens: linear in k) lie on the line fitted to every drafting length's
+    measured time, each weighted by the rounds behind it, once two are measured: a
+    length measured once, early (a small batch, perhaps a noisy one), is then corrected
+    by the many rounds of the lengths run since instead of standing until it is run
+    again. Plain rounds are not on that line: their own time, when measured."""
     measured = sorted(self.round_seconds)
     drafting = [m for m in measured if m > 0]
     if k > 0 and len(drafting) >= 2:
-      measured = drafting
+      weights = np.sqrt([self._timed_rounds[m] for m in drafting])
+      slope, intercept = np.polyfit(drafting, [self.round_seconds[m] for m in drafting], 1,
+                                    w=weights)
+      return max(float(intercept + slope * k), 1e-9)
+    if k in self.round_seconds:
+      return self.round_seconds[k]
     if len(measured) == 1:
       return self.round_seconds[measured[0]]
     slope, intercept = np.polyfit(measured, [self.round_seconds[m] for m in measured], 1)
@@ -120,34 +144,64 @@ class DraftLengthController:
     rounds = expected_rounds_to_finish(remaining_tokens, k, tuple(self.acceptance()))
     return rounds * self.predicted_round_seconds(k)
 
+  def _costs(self, remaining_tokens: Sequence[int] | None) -> dict[int, float]:
+    if remaining_tokens is not None and not any(r > 0 for r in remaining_tokens):
+      remaining_tokens = None
+    return {k: self.expected_seconds(k, remaining_tokens) for k in range(self.k_max + 1)}
+
+  def best_length(self, remaining_tokens: Sequence[int] | None = None) -> int:
+    """The length with the least expected time by what has been measured so far (0:
+    plain decoding, which a chain must beat by ``min_gain``); no exploration."""
+    cost = self._costs(remaining_tokens)
+    best = min(range(1, self.k_max + 1), key=cost.__getitem__)
+    return best if cost[0] >= self.min_gain * cost[best] else 0
+
   def choose(self, remaining_tokens: Sequence[int] | None = None) -> int:
     """The length for the next batch of rounds. remaining_tokens: the token budget left
     to each live sequence when no request waits for a slot (the batch then ends with
     its slowest sequence); None while requests wait."""
+    self._probing = False
     if not self.round_seconds:
       return self.k_max
     if 0 not in self.round_seconds:
       return 0
     if 1 not in self.round_seconds:
       return 1
-    if remaining_tokens is not None and not any(r > 0 for r in remaining_tokens):
-      remaining_tokens = None
-    cost = {k: self.expected_seconds(k, remaining_tokens) for k in range(self.k_max + 1)}
-    best = min(range(1, self.k_max + 1), key=cost.__getitem__)
-    if cost[0] >= self.min_gain * cost[best]:
+    cost = self._costs(remaining_tokens)
+    chain = min(range(1, self.k_max + 1), key=cost.__getitem__)
+    if cost[0] >= self.min_gain * cost[chain]:
       self._probe_interval = self.explore_every
       self._since_probe = 0
-      return self._settle(best)
-    # Plain decoding wins. Probe the longest chain now and then, half as often after
-    # each probe that plain decoding still wins, so that a drafter that stays useless
-    # costs ever less.
+      longer = [chain + 1] if chain < self.k_max else []
+      return self._neighbour_probe(chain, longer) or self._settle(chain)
+    # Plain decoding wins. A close call (the best chain within ``close_call`` of it,
+    # e.g. on one noisy timing) re-measures that chain like a neighbour. Otherwise probe
+    # the longest chain now and then, half as often after each probe that plain
+    # decoding still wins, so that a drafter that stays useless costs ever less.
     self._since_probe += 1
     if self._since_probe < self._probe_interval:
-      return self._settle(0)
+      close = [chain] if cost[chain] <= self.close_call * cost[0] else []
+      return self._neighbour_probe(0, close) or self._settle(0)
     self._since_probe = 0
     self._probe_interval *= 2
     self._streak, self._last_best = 0, None
     return self.k_max
+
+  def _neighbour_probe(self, best: int, neighbours: list[int]) -> int | None:
+    """One of ``neighbours`` of the winning length to run once instead, when one is
+    due, in turn. A new winner starts over with a short interval, so a length chosen
+    low on stale acceptance climbs a step per few decisions. The winner's streak (its
+    batch size) is kept: the probe is one batch aside."""
+    if best != self._last_best:
+      self._neighbour_interval, self._since_neighbour, self._neighbour_probes = 2, 0, 0
+    self._since_neighbour += 1
+    if self._since_neighbour < self._neighbour_interval or not neighbours:
+      return None
+    self._since_neighbour = 0
+    self._neighbour_interval = min(2 * self._neighbour_interval, self.explore_every)
+    self._neighbour_probes += 1
+    self._probing = True
+    return neighbours[(self._neighbour_probes - 1) % len(neighbours)]
 
   def _settle(self, k: int) -> int:
     self._streak = self._streak + 1 if k == self._last_best else 0
@@ -157,6 +211,8 @@ class DraftLengthController:
   def decision_rounds(self, base: int) -> int:
     """Rounds to run for the length just chosen: ``base``, doubled for each decision in
     a row that chose it (exploration and probes run ``base``)."""
+    if self._probing:
+      return base
     return base * min(2 ** self._streak, self.max_batch_growth)
 
   def observe(self, k: int, rounds: int, seconds: float | None, accepted_D: np.ndarray,

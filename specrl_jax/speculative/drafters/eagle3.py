@@ -140,13 +140,19 @@ class Eagle3Head(nnx.Module):
     self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=pd)
     self.lm_head = normal_param(rngs, (c.hidden_size, c.draft_vocab_size), pd)
 
-  def features(self, hidden_BxTxD: Array, layer_hidden: tuple[Array, ...]) -> Array:
+  def fusion_inputs(self, hidden_BxTxD: Array, layer_hidden: tuple[Array, ...]) -> Array:
+    """The low, middle and high layers' hidden states side by side [B, T, 3D]."""
     del hidden_BxTxD
     order = self.config.hidden_layers
-    fused_BxTx3D = jnp.concatenate([layer_hidden[order.index(i)]
-                                    for i in self.config.target_layers], axis=-1)
+    return jnp.concatenate([layer_hidden[order.index(i)] for i in self.config.target_layers],
+                           axis=-1)
+
+  def fuse(self, inputs_BxTx3D: Array) -> Array:
     dt = jnp.dtype(self.config.dtype)
-    return fused_BxTx3D.astype(dt) @ self.fc[...].astype(dt)
+    return inputs_BxTx3D.astype(dt) @ self.fc[...].astype(dt)
+
+  def features(self, hidden_BxTxD: Array, layer_hidden: tuple[Array, ...]) -> Array:
+    return self.fuse(self.fusion_inputs(hidden_BxTxD, layer_hidden))
 
   def decode(self, tokens_BxT: Array, features_BxTxD: Array, positions_BxT: Array, kv):
     dt = jnp.dtype(self.config.dtype)
@@ -221,6 +227,7 @@ class Eagle3(HiddenStateDrafter):
     self.config = config
     self.layer_config = config.layer_config
     self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+    self.fusion_input_size = 3 * config.hidden_size
     self.hidden_layers = config.hidden_layers
     head = Eagle3Head(config, rngs=nnx.Rngs(seed))
     tables = TargetTables.of(target)

@@ -11,10 +11,11 @@ and admission copies happen once for target and drafter):
   layer 0: the keys and values of its attention, kept in step with the target lazily
     like DraftModel's (each round first feeds the tokens emitted since its cache was
     last written);
-  layer 1: a feature store: the target's feature at every cache position, written at
-    prefill and after each verification for the root and the accepted nodes, read back
-    as the next round's pending inputs. Half of each feature goes in the K pages, half
-    in the V pages.
+  layer 1: a feature store: what the target's feature is made from at every cache
+    position (EAGLE-3: the three layers' hidden states, fused by its projection only
+    when read; a plain round that records them pays no fusion), written at prefill and
+    after each verification for the root and the accepted nodes, read back as the next
+    round's pending inputs. Half of each entry goes in the K pages, half in the V pages.
 Position 0 has no earlier feature and reads zeros, in training and in decoding alike.
 """
 
@@ -57,9 +58,9 @@ def shift_right(x_BxTxD: Array) -> Array:
 
 # ------------------------------------------------------------------- feature store
 
-def feature_store_shape(hidden_size: int) -> tuple[int, int]:
-  """(heads, dim) of the store's page layer: one head, half a feature in K, half in V."""
-  return (1, -(-hidden_size // 2))
+def feature_store_shape(width: int) -> tuple[int, int]:
+  """(heads, dim) of the store's page layer: one head, half an entry in K, half in V."""
+  return (1, -(-width // 2))
 
 
 def write_features(kv: PagedKV, layer: int, positions_BxT: Array,
@@ -76,13 +77,13 @@ def write_features(kv: PagedKV, layer: int, positions_BxT: Array,
   return kv.replace(k_pages=tuple(k_pages), v_pages=tuple(v_pages))
 
 
-def read_features(kv: PagedKV, layer: int, positions_BxT: Array, hidden_size: int) -> Array:
-  """Features stored at cache positions [B, T, D]; zeros where a position is negative."""
+def read_features(kv: PagedKV, layer: int, positions_BxT: Array, width: int) -> Array:
+  """Entries stored at cache positions [B, T, width]; zeros where a position is negative."""
   valid_BxT = positions_BxT >= 0
   both = jnp.concatenate([read_pages(kv.k_pages[layer], kv.page_table_BxM, positions_BxT)[..., 0, :],
                           read_pages(kv.v_pages[layer], kv.page_table_BxM, positions_BxT)[..., 0, :]],
                          axis=-1)
-  return jnp.where(valid_BxT[..., None], both[..., :hidden_size], 0)
+  return jnp.where(valid_BxT[..., None], both[..., :width], 0)
 
 
 # ------------------------------------------------------------------- the drafter
@@ -119,7 +120,9 @@ class HiddenStateDrafter(Drafter):
   """A one-layer drafter on the target's features (see the module docstring).
 
   Subclasses hold a frozen, hashable ``config`` and an nnx head implementing
-    features(hidden_BxTxD, layer_hidden) -> feature_BxTxD   (from target outputs)
+    fusion_inputs(hidden_BxTxD, layer_hidden) -> inputs_BxTxF   (what the store keeps)
+    fuse(inputs_BxTxF) -> feature_BxTxD
+    features(hidden_BxTxD, layer_hidden) -> feature_BxTxD   (the two in one, for training)
     decode(tokens_BxT, feature_BxTxD, positions_BxT, kv) -> (output_BxTxD, kv)
     logits(output_BxTxD) -> float32 [B, T, draft vocabulary]
   and a draft-to-target id table (None: the draft vocabulary is the target's).
@@ -131,6 +134,7 @@ class HiddenStateDrafter(Drafter):
   layer_config: Any  # ModelConfig of the drafter's one decoder layer (its KV shape)
   hidden_size: int
   vocab_size: int
+  fusion_input_size: int  # F: the width of a feature-store entry
 
   def __init__(self, graphdef: nnx.GraphDef, weights: dict[str, Any],
                draft_to_target: np.ndarray | None):
@@ -179,7 +183,7 @@ class HiddenStateDrafter(Drafter):
 
   def kv_layers(self):
     layer = self.layer_config
-    return ((layer.num_kv_heads, layer.head_dim), feature_store_shape(self.hidden_size))
+    return ((layer.num_kv_heads, layer.head_dim), feature_store_shape(self.fusion_input_size))
 
   def params(self):
     table = () if self.draft_to_target is None else jnp.asarray(self.draft_to_target, jnp.int32)
@@ -201,22 +205,23 @@ class HiddenStateDrafter(Drafter):
       logits = full.at[..., table].set(logits)
     return proposal_log_probs(logits, sampling)
 
-  def features(self, params, target_output, select_NxE: Array | None = None) -> Array:
-    """The target's features, at all positions or only at node indices ``select_NxE``."""
+  def fusion_inputs(self, params, target_output, select_NxE: Array | None = None) -> Array:
+    """What the store keeps of the target's output, at all positions or only at node
+    indices ``select_NxE``."""
     hidden, layer_hidden = target_output.hidden, target_output.layer_hidden
     if select_NxE is not None:
       take = lambda x: jnp.take_along_axis(x, select_NxE[..., None], axis=1)
       hidden, layer_hidden = take(hidden), tuple(take(h) for h in layer_hidden)
-    return merge_weights(self.graphdef, params["weights"]).features(hidden, layer_hidden)
+    return merge_weights(self.graphdef, params["weights"]).fusion_inputs(hidden, layer_hidden)
 
   def prefill(self, params, state, kv: LayerOffset, tokens_UxT, lengths_U, target_output):
     head = merge_weights(self.graphdef, params["weights"])
-    features_UxTxD = self.features(params, target_output)
+    inputs_UxTxF = self.fusion_inputs(params, target_output)
     positions_UxT = jnp.broadcast_to(jnp.arange(tokens_UxT.shape[1], dtype=jnp.int32),
                                      tokens_UxT.shape)
-    _, kv = head.decode(tokens_UxT, shift_right(features_UxTxD), positions_UxT, kv)
+    _, kv = head.decode(tokens_UxT, shift_right(head.fuse(inputs_UxTxF)), positions_UxT, kv)
     inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, kv.inner.write_positions_BxT,
-                           features_UxTxD)
+                           inputs_UxTxF)
     return state, kv.replace(inner=inner)
 
   def _feed(self, params, kv: LayerOffset, inputs, cached_N, count_N, width: int):
@@ -226,8 +231,10 @@ class HiddenStateDrafter(Drafter):
     head = merge_weights(self.graphdef, params["weights"])
     tokens_NxP, positions_NxP, valid_NxP = tokens_to_feed(inputs, cached_N, count_N, width)
     index_P = jnp.arange(width, dtype=jnp.int32)
-    features_NxPxD = read_features(kv.inner, kv.offset + FEATURE_LAYER,
-                                   jnp.where(valid_NxP, positions_NxP - 1, -1), self.hidden_size)
+    # Fused here, not when stored: plain rounds of an idle drafter store and never fuse.
+    features_NxPxD = head.fuse(read_features(kv.inner, kv.offset + FEATURE_LAYER,
+                                             jnp.where(valid_NxP, positions_NxP - 1, -1),
+                                             self.fusion_input_size))
     causal_PxP = index_P[:, None] >= index_P[None, :]
     step_kv = kv.replace(inner=kv.inner.replace(
         prefix_lengths_B=cached_N,
@@ -263,7 +270,7 @@ class HiddenStateDrafter(Drafter):
   def record(self, params, state, kv: LayerOffset, inputs, target_output):
     positions_Nx1 = jnp.where(inputs.active_N, inputs.cache_lengths_N, -1)[:, None]
     inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, positions_Nx1,
-                           self.features(params, target_output))
+                           self.fusion_inputs(params, target_output))
     return state, kv.replace(inner=inner)
 
   def extend(self, params, state, kv: LayerOffset, scratch, inputs, sampling, depth,
@@ -297,8 +304,8 @@ class HiddenStateDrafter(Drafter):
                                 (verdict.path_NxD >= 0) & inputs.active_N[:, None]], axis=1)
     positions_NxE = jnp.where(
         keep_NxE, inputs.cache_lengths_N[:, None] + jnp.arange(depth + 1)[None, :], -1)
-    features_NxExD = self.features(params, target_output, source_NxE)
-    inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, positions_NxE, features_NxExD)
+    inputs_NxExF = self.fusion_inputs(params, target_output, source_NxE)
+    inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, positions_NxE, inputs_NxExF)
     return state, kv.replace(inner=inner)
 
 

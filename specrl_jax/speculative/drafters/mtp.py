@@ -37,8 +37,14 @@ class MTPHead(nnx.Module):
     self.block = Block(c, rngs=rngs)
     self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=pd)
 
-  def features(self, hidden_BxTxD: Array, layer_hidden: tuple[Array, ...]) -> Array:
+  def fusion_inputs(self, hidden_BxTxD: Array, layer_hidden: tuple[Array, ...]) -> Array:
     del layer_hidden
+    return hidden_BxTxD
+
+  def fuse(self, inputs_BxTxD: Array) -> Array:
+    return inputs_BxTxD
+
+  def features(self, hidden_BxTxD: Array, layer_hidden: tuple[Array, ...]) -> Array:
     return hidden_BxTxD
 
   def decode(self, tokens_BxT: Array, features_BxTxD: Array, positions_BxT: Array, kv):
@@ -71,6 +77,7 @@ class MTP(HiddenStateDrafter):
     self.config = config
     self.layer_config = config
     self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+    self.fusion_input_size = config.hidden_size
     self.hidden_layers = ()
     head = MTPHead(config, rngs=nnx.Rngs(seed))
     tables = TargetTables.of(target)
