@@ -123,6 +123,14 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   if controller is not None:
     raise ValueError("controller was given but spec is not adaptive: pass "
                      "spec=sj.SpecConfig(..., adaptive=True) or drop controller.")
+  return _generate_whole(graphdef, params, drafter, inputs, rng, sampling=sampling,
+                         layout=layout, topology=topology, draft_mode=draft_mode)
+
+
+def _generate_whole(graphdef, params, drafter: Drafter | None, inputs, rng, *,
+                    sampling: SamplingParams, layout: _Layout,
+                    topology: TreeTopology | None, draft_mode: str | None) -> GenerateOutput:
+  """The whole rollout as one compiled program, timed."""
   start = time.perf_counter()
   final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
                     *inputs, rng, sampling=sampling, layout=layout, drafter=drafter,
@@ -231,27 +239,24 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   final = _fetch_results(state)
   seconds = time.perf_counter() - start
   _raise_if_exhausted(final, layout, inputs)
-  output = _to_output(final, seconds, drafter)
-  output.stats["draft_length_schedule"] = controller.history[first_decision:]
-  output.stats["round_seconds_by_draft_length"] = dict(sorted(controller.round_seconds.items()))
-  return output
+  return _with_schedule(_to_output(final, seconds, drafter), controller, first_decision)
 
 
 def _plain_rollout(graphdef, params, inputs, rng, *, sampling: SamplingParams,
                    layout: _Layout, controller: DraftLengthController,
                    first_decision: int) -> GenerateOutput:
   """A rollout the controller decided to decode plainly throughout: one decision."""
-  start = time.perf_counter()
-  final = _fetch_results(_generate(graphdef, params, (), *inputs, rng, sampling=sampling,
-                                   layout=layout, drafter=None, topology=None,
-                                   draft_mode=None))
-  seconds = time.perf_counter() - start
-  _raise_if_exhausted(final, layout, inputs)
+  output = _generate_whole(graphdef, params, None, inputs, rng, sampling=sampling,
+                           layout=layout, topology=None, draft_mode=None)
   # Its time includes the prefill: not a clean per-round time (plain rounds are timed
   # again in the rollouts that probe a chain).
-  controller.observe(0, int(final.counters["target_calls"]), None,
-                     np.zeros(controller.k_max), 0)
-  output = _to_output(final, seconds)
+  controller.observe(0, output.stats["target_calls"], None, np.zeros(controller.k_max), 0)
+  return _with_schedule(output, controller, first_decision)
+
+
+def _with_schedule(output: GenerateOutput, controller: DraftLengthController,
+                   first_decision: int) -> GenerateOutput:
+  """``output`` with the lengths this call's decisions chose and the round times so far."""
   output.stats["draft_length_schedule"] = controller.history[first_decision:]
   output.stats["round_seconds_by_draft_length"] = dict(sorted(controller.round_seconds.items()))
   return output

@@ -81,7 +81,6 @@ class DraftLengthController:
   _last_best: int | None = dataclasses.field(init=False, repr=False, default=None)
   _neighbour_interval: int = dataclasses.field(init=False, repr=False, default=2)
   _since_neighbour: int = dataclasses.field(init=False, repr=False, default=0)
-  _neighbour_probes: int = dataclasses.field(init=False, repr=False, default=0)
   _probing: bool = dataclasses.field(init=False, repr=False, default=False)
 
   def __post_init__(self):
@@ -149,12 +148,19 @@ class DraftLengthController:
       remaining_tokens = None
     return {k: self.expected_seconds(k, remaining_tokens) for k in range(self.k_max + 1)}
 
+  def _best_chain(self, remaining_tokens: Sequence[int] | None
+                  ) -> tuple[dict[int, float], int, bool]:
+    """(expected cost of every length, the cheapest chain, whether it beats plain
+    decoding by ``min_gain``)."""
+    cost = self._costs(remaining_tokens)
+    chain = min(range(1, self.k_max + 1), key=cost.__getitem__)
+    return cost, chain, cost[0] >= self.min_gain * cost[chain]
+
   def best_length(self, remaining_tokens: Sequence[int] | None = None) -> int:
     """The length with the least expected time by what has been measured so far (0:
     plain decoding, which a chain must beat by ``min_gain``); no exploration."""
-    cost = self._costs(remaining_tokens)
-    best = min(range(1, self.k_max + 1), key=cost.__getitem__)
-    return best if cost[0] >= self.min_gain * cost[best] else 0
+    _, chain, wins = self._best_chain(remaining_tokens)
+    return chain if wins else 0
 
   def choose(self, remaining_tokens: Sequence[int] | None = None) -> int:
     """The length for the next batch of rounds. remaining_tokens: the token budget left
@@ -167,12 +173,11 @@ class DraftLengthController:
       return 0
     if 1 not in self.round_seconds:
       return 1
-    cost = self._costs(remaining_tokens)
-    chain = min(range(1, self.k_max + 1), key=cost.__getitem__)
-    if cost[0] >= self.min_gain * cost[chain]:
+    cost, chain, wins = self._best_chain(remaining_tokens)
+    if wins:
       self._probe_interval = self.explore_every
       self._since_probe = 0
-      longer = [chain + 1] if chain < self.k_max else []
+      longer = chain + 1 if chain < self.k_max else None
       return self._neighbour_probe(chain, longer) or self._settle(chain)
     # Plain decoding wins. A close call (the best chain within ``close_call`` of it,
     # e.g. on one noisy timing) re-measures that chain like a neighbour. Otherwise probe
@@ -180,28 +185,27 @@ class DraftLengthController:
     # decoding still wins, so that a drafter that stays useless costs ever less.
     self._since_probe += 1
     if self._since_probe < self._probe_interval:
-      close = [chain] if cost[chain] <= self.close_call * cost[0] else []
+      close = chain if cost[chain] <= self.close_call * cost[0] else None
       return self._neighbour_probe(0, close) or self._settle(0)
     self._since_probe = 0
     self._probe_interval *= 2
     self._streak, self._last_best = 0, None
     return self.k_max
 
-  def _neighbour_probe(self, best: int, neighbours: list[int]) -> int | None:
-    """One of ``neighbours`` of the winning length to run once instead, when one is
-    due, in turn. A new winner starts over with a short interval, so a length chosen
-    low on stale acceptance climbs a step per few decisions. The winner's streak (its
-    batch size) is kept: the probe is one batch aside."""
+  def _neighbour_probe(self, best: int, neighbour: int | None) -> int | None:
+    """``neighbour`` of the winning length, to run once instead when a probe is due
+    (None: nothing to probe). A new winner starts over with a short interval, so a
+    length chosen low on stale acceptance climbs a step per few decisions. The
+    winner's streak (its batch size) is kept: the probe is one batch aside."""
     if best != self._last_best:
-      self._neighbour_interval, self._since_neighbour, self._neighbour_probes = 2, 0, 0
+      self._neighbour_interval, self._since_neighbour = 2, 0
     self._since_neighbour += 1
-    if self._since_neighbour < self._neighbour_interval or not neighbours:
+    if self._since_neighbour < self._neighbour_interval or neighbour is None:
       return None
     self._since_neighbour = 0
     self._neighbour_interval = min(2 * self._neighbour_interval, self.explore_every)
-    self._neighbour_probes += 1
     self._probing = True
-    return neighbours[(self._neighbour_probes - 1) % len(neighbours)]
+    return neighbour
 
   def _settle(self, k: int) -> int:
     self._streak = self._streak + 1 if k == self._last_best else 0
