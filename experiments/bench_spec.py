@@ -156,7 +156,7 @@ def _rounds_by_length(schedule) -> dict[int, int]:
   return dict(sorted(rounds.items()))
 
 
-def round_cost_breakdown(target, draft, batch: int, k: int, repeats: int = 20) -> dict:
+def round_cost_breakdown(target, draft, batch: int, k: int, repeats: int = 5) -> dict:
   """Milliseconds of the pieces of a round on these weights (dense forwards, no cache):
   the target over 1 token (a plain step) and over k + 1 (verification), one drafter
   step. Verification / plain is what speculation must beat with accepted tokens."""

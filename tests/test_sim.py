@@ -17,8 +17,9 @@ import pytest
 
 from specrl_jax.config import ConfigError, ModelConfig
 from specrl_jax.sim import (HARDWARE, MODELS, PAPER_FIGURES, EngineProfile, FixedLengths,
-                            HistogramLengths, LinearCallCost, LogNormalLengths, ModelSpec,
-                            ParallelLayout, RolloutWorkload, RooflineCallCost,
+                            HistogramLengths, LinearCallCost, LogNormalLengths,
+                            MeasuredCallCost, ModelSpec, ParallelLayout, RolloutWorkload,
+                            RooflineCallCost,
                             SimulationSetup, SpeculationCostModel, SpeculationSpec, StepSpec,
                             acceptance_from_length, calibrate_paper_8b,
                             conditional_acceptance, eagle3_drafter,
@@ -455,6 +456,25 @@ def test_linear_call_cost_fit_recovers_measured_coefficients():
                                                  drafter_points=[(1, 1, 1e-4), (8, 1, 2e-4)])
   assert model.round_seconds(4, 2) == pytest.approx(
       2 * model.drafter.seconds(4, 1) + truth.seconds(4, 3))
+
+
+def test_measured_call_cost_is_exact_at_measured_token_counts_and_linear_between():
+  # A CPU-like kink: one row runs a matrix-vector kernel, two rows a matrix-matrix one.
+  points = [(1, 1, 6.6e-3), (2, 1, 8.4e-3), (1, 2, 8.2e-3), (4, 1, 8.1e-3), (4, 4, 16e-3)]
+  cost = MeasuredCallCost.fit(points)
+  assert cost.tokens == (1, 2, 4, 16)
+  assert cost.seconds(1, 1) == pytest.approx(6.6e-3)
+  assert cost.seconds(2, 1) == cost.seconds(1, 2) == pytest.approx(8.3e-3)  # averaged
+  assert cost.seconds(2, 5) == pytest.approx(8.1e-3 + 6 / 12 * 7.9e-3)
+  assert cost.seconds(8, 4) == pytest.approx(16e-3 + 16 * 7.9e-3 / 12)  # last segment
+  engine = dataclasses.replace(cost, overhead_s=1e-3, per_sequence_s=1e-4)
+  assert engine.seconds(4, 1) == pytest.approx(1e-3 + 4e-4 + 8.1e-3)
+  with pytest.raises(ValueError, match="strictly increasing"):
+    MeasuredCallCost(tokens=(2, 1), seconds_at=(1e-3, 2e-3))
+  with pytest.raises(ValueError, match="seconds_at"):
+    MeasuredCallCost(tokens=(1, 2), seconds_at=(1e-3, -2e-3))
+  with pytest.raises(ValueError, match="seconds > 0"):
+    MeasuredCallCost.fit([(1, 1, 0.0)])
 
 
 def test_roofline_call_cost_fit_recovers_overhead_and_efficiency():

@@ -2,9 +2,9 @@
 
 A small measurement (experiments/sim_vs_measured.py on a random 6 x 768 target and a
 1 x 64 draft model): the cost model is given dense forward timings of the pieces,
-the engine's per-round overheads calibrated at batch 1 with k = 1, and each run's
-measured acceptance; it then predicts plain and speculative decode time at the other
-batch sizes and draft lengths. The README's figure is the same comparison on the
+the engine's per-round overheads calibrated on plain decoding at batches 1 and 4 and
+on k = 1 at batch 1, and each run's measured acceptance; it then predicts the three
+other (batch, k) decode times. The README's figure is the same comparison on the
 38M-parameter pair (every point within 20%).
 
 This is the one test that times anything: predictions and measurements come from the
@@ -39,7 +39,7 @@ NEW_TOKENS = 32
 def measure_and_predict(target, draft):
   batches, ks = (1, 4), (1, 3)
   rows = sim_vs_measured.measure_runs(target, draft, batches=batches, ks=ks,
-                                      new_tokens=NEW_TOKENS, repeats=3,
+                                      new_tokens=NEW_TOKENS, repeats=2, seeds=2,
                                       prompts_of=sim_vs_measured.random_prompts(VOCAB))
   pieces = sim_vs_measured.measure_pieces(target, draft, batches=batches, ks=ks, repeats=10)
   rows, _ = sim_vs_measured.predict(rows, pieces, new_tokens=NEW_TOKENS, calibration=(1, 1))
@@ -48,7 +48,7 @@ def measure_and_predict(target, draft):
   # Random models accept some drafts: the speculative rows are not plain decoding.
   assert all(r["acceptance_length"] > 1.2 for r in rows if r["k"]), table
   errors = np.abs([r["relative_error"] for r in rows if not r["calibration"]])
-  assert len(errors) == 4, table
+  assert len(errors) == 3, table
   return errors, table
 
 

@@ -3,7 +3,7 @@ rollouts: hardware profiles, model specs, parallel layouts, response-length
 distributions, continuous-batching rollouts, sync/async steps, the paper's presets,
 and the cost model an adaptive speculative engine uses to choose its draft length."""
 
-from specrl_jax.sim.cost_model import (LinearCallCost, RooflineCallCost,
+from specrl_jax.sim.cost_model import (LinearCallCost, MeasuredCallCost, RooflineCallCost,
                                        SpeculationCostModel, conditional_acceptance)
 from specrl_jax.sim.hardware import (HARDWARE, HardwareProfile, calibrate_cpu, get_hardware,
                                      measure_cpu)
@@ -22,7 +22,7 @@ from specrl_jax.sim.step import (Comparison, SimulationSetup, StepBreakdown, Ste
 __all__ = [
     "HARDWARE", "MODELS", "PAPER_FIGURES", "PRESETS", "Comparison", "DrafterSpec",
     "EngineProfile", "FixedLengths", "ForwardCostModel", "HardwareProfile",
-    "HistogramLengths", "LinearCallCost", "LogNormalLengths", "ModelSpec",
+    "HistogramLengths", "LinearCallCost", "LogNormalLengths", "MeasuredCallCost", "ModelSpec",
     "ParallelLayout", "RolloutResult", "RolloutWorkload", "RooflineCallCost",
     "SimulationSetup", "SpeculationCostModel", "SpeculationSpec", "StepBreakdown",
     "StepSpec", "acceptance_from_length", "breakdown_table", "calibrate_cpu",

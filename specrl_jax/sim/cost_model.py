@@ -8,7 +8,8 @@ one target forward over one token per sequence. ``best_k`` compares tokens per s
 and never picks a k the model predicts slower than plain decoding.
 
 Per-call costs come from a few measured points (``LinearCallCost.fit``: overhead plus
-per-token and per-sequence terms) or from the roofline of a ModelSpec on a
+per-token and per-sequence terms; ``MeasuredCallCost.fit``: the points themselves,
+interpolated in tokens, where time is not a line) or from the roofline of a ModelSpec on a
 HardwareProfile with a fitted scale and overhead (``RooflineCallCost.fit``), which
 keeps the memory-to-compute kink where verification stops being free. On a CPU the
 linear fit is the better one: small-batch matmuls there run far below peak, so time
@@ -91,6 +92,59 @@ class LinearCallCost:
     overhead, per_token, per_sequence = _non_negative_least_squares(design, seconds)
     return cls(overhead_s=float(overhead), per_token_s=float(per_token),
                per_sequence_s=float(per_sequence))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredCallCost:
+  """seconds = overhead + per_sequence * batch + the measured time at the call's token
+  count (batch x query tokens, the rows every matmul of the call multiplies), linear
+  between measured counts and along the end segments beyond them; counts measured at
+  several shapes average. The two terms carry what the measured calls lacked (e.g. an
+  engine's attention over each sequence's cache when the table timed bare forwards).
+
+  For machines where time is not a line in tokens: on a CPU one row runs a
+  matrix-vector kernel and two rows a matrix-matrix one, so a 6 x 768 target takes
+  6.6 ms at 1 token, 8.3 ms at 2 and 8.1 ms at 4, which no line through all three fits."""
+
+  tokens: tuple[int, ...]
+  seconds_at: tuple[float, ...]
+  overhead_s: float = 0.0
+  per_sequence_s: float = 0.0
+
+  def __post_init__(self):
+    owner = "MeasuredCallCost"
+    check(len(self.tokens) > 0 and len(self.tokens) == len(self.seconds_at), owner,
+          "tokens", self.tokens, "a non-empty tuple as long as seconds_at")
+    check(all(b > a for a, b in zip(self.tokens, self.tokens[1:])), owner, "tokens",
+          self.tokens, "strictly increasing token counts")
+    for i, (count, seconds) in enumerate(zip(self.tokens, self.seconds_at)):
+      validation.positive_int(owner, f"tokens[{i}]", count)
+      validation.positive_number(owner, f"seconds_at[{i}]", seconds)
+    validation.non_negative_number(owner, "overhead_s", self.overhead_s)
+    validation.non_negative_number(owner, "per_sequence_s", self.per_sequence_s)
+
+  def seconds(self, batch_size: int, query_tokens: int = 1) -> float:
+    return (self.overhead_s + self.per_sequence_s * batch_size
+            + self._table_seconds(batch_size * query_tokens))
+
+  def _table_seconds(self, count: int) -> float:
+    xs, ys = self.tokens, self.seconds_at
+    if len(xs) == 1:
+      return ys[0]
+    if xs[0] <= count <= xs[-1]:
+      return float(np.interp(count, xs, ys))
+    i = 0 if count < xs[0] else len(xs) - 2
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return max(0.0, ys[i] + slope * (count - xs[i]))
+
+  @classmethod
+  def fit(cls, points: Sequence[CallPoint]) -> "MeasuredCallCost":
+    """The table of measured points (mean seconds per token count)."""
+    data = _check_points("MeasuredCallCost.fit", points)
+    counts = (data[:, 0] * data[:, 1]).astype(np.int64)
+    tokens = tuple(int(c) for c in np.unique(counts))
+    return cls(tokens=tokens,
+               seconds_at=tuple(float(data[counts == c, 2].mean()) for c in tokens))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
