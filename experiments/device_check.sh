@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One pass of the checks that need an accelerator, sized for a short lease on one GPU:
-# plain decode throughput (bench-160m), speculative vs plain decoding on the 38M pair
-# (trained there: the cached pair is not carried), then the sampler and speculative
+# plain decode throughput (bench-160m), speculative vs plain decoding on a trained pair
+# (SIZE=medium, the 38M pair, by default; SIZE=large, ~0.8B, where a drafter's steps
+# are cheap next to the target's; trained there: cached pairs are not carried), then the sampler and speculative
 # test files on that backend. Each stage has its own time limit, so a slow or failing
 # stage still leaves the others' results. Logs and JSON go to $OUT (default
 # results/device).
 #
-#   bash experiments/device_check.sh            # on the accelerator machine
+#   [SIZE=large] bash experiments/device_check.sh      # on the accelerator machine
 set -u
 out=${OUT:-results/device}
 mkdir -p "$out"
@@ -22,7 +23,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log, report the st
 { nvidia-smi -L 2>&1; $python -c 'import jax, flax, sys; print(sys.version); print(jax.__version__, flax.__version__, jax.devices())'; } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 stage bench_decode 110 $python experiments/bench_decode.py --skip-hf --batches 1 8 32 --repeats 3
-stage bench_spec 270 $python experiments/bench_spec.py --size medium --batches 1 8 \
+stage bench_spec 270 $python experiments/bench_spec.py --size "${SIZE:-medium}" --batches 1 8 \
   --ks 1 3 5 --samples 3 --no-ngram --no-adaptive
 # Tests on the accelerator's backend at float32 matmul precision (GPUs default to TF32,
 # which the logit-parity tolerances do not allow for). -v names each result as it

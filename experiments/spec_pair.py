@@ -6,14 +6,16 @@ distributions. Both are saved in Hugging Face format under artifacts/spec_pair[_
 and reused by later runs.
 
 Sizes: "small" (4 x 384, ~7M parameters: a decode step is dominated by per-op
-overhead, as for any tiny model) and "medium" (6 x 768, ~38M parameters: a decode step
+overhead, as for any tiny model), "medium" (6 x 768, ~38M parameters: a decode step
 reads ~150 MB of weights, so like a real policy it is memory-bound and verifying a few
-tokens costs little more than decoding one).
+tokens costs little more than decoding one) and "large" (16 x 2048, ~0.8B parameters,
+for an accelerator: on an H200 the medium pair's steps are kernel launches, and its
+drafter's launches cost as much as the target's; not trained or measured yet).
 
 Learned heads for a pair's target (``load_or_train_heads``: MTP and EAGLE-3 trained
 offline on the target's own rollouts, cached in heads/) serve bench_spec --learned.
 
-  python experiments/spec_pair.py [--size small|medium] [--force]
+  python experiments/spec_pair.py [--size small|medium|large] [--force]
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ DRAFT = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=96,
 MEDIUM_TARGET = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=768,
                                intermediate_size=2048, num_layers=6, num_heads=12,
                                num_kv_heads=4, head_dim=64)
+LARGE_TARGET = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=2048,
+                              intermediate_size=5632, num_layers=16, num_heads=16,
+                              num_kv_heads=8, head_dim=128)
 # name: (target config, draft config, target SFT learning rate)
-SIZES = {"small": (TARGET, DRAFT, 1e-3), "medium": (MEDIUM_TARGET, DRAFT, 5e-4)}
+SIZES = {"small": (TARGET, DRAFT, 1e-3), "medium": (MEDIUM_TARGET, DRAFT, 5e-4),
+         "large": (LARGE_TARGET, DRAFT, 2e-4)}
 
 
 def folder(size: str) -> Path:
