@@ -17,6 +17,7 @@ Studies (in order; later ones reuse what earlier ones trained and cached in arti
   bench_rl       RL step time: sync vs async, with and without speculation
   reward_curves  GRPO reward with and without speculation over seeds
   bench_decode   plain decode throughput vs transformers, with the bandwidth roofline
+  bench_matmul   one layer-sized matmul through XLA, numpy and torch at decoding's row counts
 
   python experiments/results.py [--only NAME ...] [--quick] [--out results]
 
@@ -203,6 +204,28 @@ def plot_bench_decode(payload: dict, path: Path) -> None:
   plt.close(figure)
 
 
+def plot_bench_matmul(payload: dict, path: Path) -> None:
+  """Weight bytes read per second of one layer-sized matmul per library, against rows."""
+  plt = common.pyplot()
+  rows = payload["results"]
+  names = [key.removesuffix("_GBps") for key in rows[0] if key.endswith("_GBps")]
+  width = 0.8 / len(names)
+  figure, axis = plt.subplots(figsize=(7, 4))
+  for index, name in enumerate(names):
+    axis.bar([i + (index - (len(names) - 1) / 2) * width for i in range(len(rows))],
+             [r[f"{name}_GBps"] for r in rows], width, label=name.replace("_", " "))
+  axis.axhline(payload["read_bandwidth_GBps"], color="black", linewidth=1,
+               label="measured read bandwidth")
+  axis.set_xticks(range(len(rows)), [f"M = {r['rows']}" for r in rows])
+  axis.set(ylabel="weight GB/s", title=f"[M, {payload['shape'][0]}] x {payload['shape']} "
+           f"{payload['dtype']} matmul on {payload['cpu_count']} cores")
+  axis.legend(fontsize=7)
+  axis.grid(alpha=0.3, axis="y")
+  figure.tight_layout()
+  figure.savefig(path, dpi=110)
+  plt.close(figure)
+
+
 # ----------------------------------------------------------------- the studies
 
 STUDIES: tuple[Study, ...] = (
@@ -259,6 +282,10 @@ STUDIES: tuple[Study, ...] = (
           quick=lambda p: ["--batches", "1", "--repeats", "1"],
           outputs=("bench_decode.json", "bench_decode.png"),
           collect=stdout_and_plot(plot_bench_decode)),
+    Study(name="bench_matmul", script="bench_matmul.py",
+          args=lambda p: [], quick=lambda p: ["--rows", "1", "8", "--repeats", "1"],
+          outputs=("bench_matmul.json", "bench_matmul.png"),
+          collect=stdout_and_plot(plot_bench_matmul)),
 )
 BY_NAME = {study.name: study for study in STUDIES}
 
