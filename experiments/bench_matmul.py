@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -50,13 +49,9 @@ def xla_seconds(x_MxK: np.ndarray, weights: list[np.ndarray], transposed: bool,
 
 
 def host_seconds(matmul, repeats: int) -> float:
+  """Per matmul of ``matmul()``'s WEIGHTS, after one warm-up call."""
   matmul()
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    matmul()
-    best = min(best, time.perf_counter() - start)
-  return best / WEIGHTS
+  return common.best_of(matmul, repeats) / WEIGHTS
 
 
 def main(argv=None) -> int:

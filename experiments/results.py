@@ -180,6 +180,16 @@ def plot_bench_rl(payload: dict, path: Path) -> None:
   plt.close(figure)
 
 
+def _grouped_bars(axis, rows: list[dict], series: list[tuple[str, str]],
+                  labels: list[str]) -> None:
+  """One group of bars per row, one bar per (key, legend label) of ``series``."""
+  width = 0.8 / len(series)
+  for index, (key, name) in enumerate(series):
+    axis.bar([i + (index - (len(series) - 1) / 2) * width for i in range(len(rows))],
+             [r[key] for r in rows], width, label=name)
+  axis.set_xticks(range(len(rows)), labels)
+
+
 def plot_bench_decode(payload: dict, path: Path) -> None:
   """Plain decode tokens/s of both engines and the roofline, per batch and temperature."""
   plt = common.pyplot()
@@ -189,12 +199,8 @@ def plot_bench_decode(payload: dict, path: Path) -> None:
             ("transformers_tokens_per_second", "transformers"),
             ("roofline_tokens_per_second", "bandwidth roofline")]
   series = [(key, name) for key, name in series if all(key in r for r in rows)]
-  width = 0.8 / len(series)
   figure, axis = plt.subplots(figsize=(7, 4))
-  for index, (key, name) in enumerate(series):
-    axis.bar([i + (index - (len(series) - 1) / 2) * width for i in range(len(rows))],
-             [r[key] for r in rows], width, label=name)
-  axis.set_xticks(range(len(rows)), labels)
+  _grouped_bars(axis, rows, series, labels)
   axis.set(ylabel="generated tokens per second",
            title=f"plain decoding, {payload['model']}, {payload['new_tokens']} new tokens")
   axis.legend(fontsize=8)
@@ -208,15 +214,12 @@ def plot_bench_matmul(payload: dict, path: Path) -> None:
   """Weight bytes read per second of one layer-sized matmul per library, against rows."""
   plt = common.pyplot()
   rows = payload["results"]
-  names = [key.removesuffix("_GBps") for key in rows[0] if key.endswith("_GBps")]
-  width = 0.8 / len(names)
+  series = [(key, key.removesuffix("_GBps").replace("_", " "))
+            for key in rows[0] if key.endswith("_GBps")]
   figure, axis = plt.subplots(figsize=(7, 4))
-  for index, name in enumerate(names):
-    axis.bar([i + (index - (len(names) - 1) / 2) * width for i in range(len(rows))],
-             [r[f"{name}_GBps"] for r in rows], width, label=name.replace("_", " "))
+  _grouped_bars(axis, rows, series, [f"M = {r['rows']}" for r in rows])
   axis.axhline(payload["read_bandwidth_GBps"], color="black", linewidth=1,
                label="measured read bandwidth")
-  axis.set_xticks(range(len(rows)), [f"M = {r['rows']}" for r in rows])
   axis.set(ylabel="weight GB/s", title=f"[M, {payload['shape'][0]}] x {payload['shape']} "
            f"{payload['dtype']} matmul on {payload['cpu_count']} cores")
   axis.legend(fontsize=7)

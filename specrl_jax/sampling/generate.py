@@ -189,10 +189,9 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   start = time.perf_counter()
   state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
                           layout=layout, drafter=drafter, topology=topology)
-  # Batches are timed from dispatch to read-back: the prefill must not count in the first.
-  jax.block_until_ready(state.counters)
-  counters = {"target_calls": 0, "draft_rounds": 0,
-              "accepted_per_position": np.zeros(longest, np.int64)}
+  # Batches are timed from dispatch to read-back: reading the counters waits for the
+  # prefill, so that it does not count in the first.
+  counters = jax.device_get(state.counters)
   # A round's drafter first feeds the tokens emitted since it last saw the sequence: up
   # to k + 1 after a round of length k. A drafter that catches up is brought in step at
   # the start of each batch (``catch_up_drafter``), so rounds of length k feed at most
