@@ -68,6 +68,7 @@ def test_one_rl_step_is_one_jitted_call_with_no_host_transfer(speculative):
   assert int(state.step) == 2 and metrics["policy_version"] == 1
   assert np.isfinite(metrics["loss"]) and metrics["rewards_finite"]
   assert metrics["acceptance_length"] > 1.0 and metrics["target_calls"] > 0
+  assert 0 < metrics["slot_utilization"] <= 1
   assert len(metrics["per_position_acceptance"]) == 3
   assert metrics["generated_tokens"] >= ROLLOUT.group_size * ROLLOUT.prompts_per_step
   # The online drafter loss moved the drafter the next rollout drafts with (the policy

@@ -74,6 +74,8 @@ def test_greedy_equals_a_loop_that_recomputes_the_full_forward(model, greedy_sto
   assert len(set(out.lengths.tolist())) > 1  # the stop token made lengths ragged
   assert_well_formed(out, len(PROMPTS), MAX_NEW, (greedy_stop_token,))
   np.testing.assert_array_equal(out.logprobs[out.tokens >= 0], 0.0)  # log 1
+  # The first token comes with admission, then one per round the request decodes in.
+  np.testing.assert_array_equal(out.stats["request_rounds"], out.lengths - 1)
 
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())

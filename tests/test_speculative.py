@@ -286,6 +286,9 @@ def test_the_target_drafting_for_itself_accepts_everything_and_stops_inside_runs
   assert out.stats["acceptance_length"] == GREEDY_K + 1
   assert out.stats["per_position_acceptance"] == [1.0] * GREEDY_K
   assert out.stats["target_calls"] < greedy_plain.stats["target_calls"] / 2
+  # Each round emits k + 1 tokens until the response ends (the first came with admission).
+  np.testing.assert_array_equal(out.stats["request_rounds"],
+                                -(-(out.lengths - 1) // (GREEDY_K + 1)))
   # Round r emits positions 1 + (k + 1) r .. (k + 1)(r + 1); all but the last are drafts.
   stop_positions = out.lengths[out.tokens[np.arange(len(out.tokens)), out.lengths - 1]
                                == greedy_stop_token] - 1

@@ -54,8 +54,9 @@ class Trajectories:
 
   batch: the learner's Batch (old_logprobs hold the rollout log-probs until the
     trainer recomputes them); rewards_R, lengths_R: per sample;
-  counters: target_calls, draft_rounds, accepted_per_position [depth] (summed over
-    rollout shards); exhausted: any shard's KV page pool ran out;
+  counters: target_calls, slot_rounds (target calls x slots), request_rounds (rounds
+    the samples decoded in), draft_rounds, accepted_per_position [depth] (all summed
+    over rollout shards); exhausted: any shard's KV page pool ran out;
   policy_version: the number of updates of the weights that generated it.
   """
   batch: Batch
@@ -209,6 +210,8 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
         tokens_PxT[prompt_of_request_R], lengths_P[prompt_of_request_R], final.out_tokens_RxL,
         final.out_lengths_R, final.out_log_probs_RxL)
     counters = {"target_calls": final.counters["target_calls"],
+                "slot_rounds": final.counters["target_calls"] * layout.num_slots,
+                "request_rounds": jnp.sum(final.counters["request_rounds_R"]),
                 "draft_rounds": final.counters.get("draft_rounds", jnp.int32(0)),
                 "accepted_per_position": final.counters.get(
                     "accepted_per_position", jnp.zeros((depth,), jnp.int32))}
@@ -250,6 +253,9 @@ def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str
       "truncated_fraction": jnp.mean((lengths >= max_new_tokens).astype(jnp.float32)),
       "generated_tokens": jnp.sum(lengths),
       "target_calls": counters["target_calls"],
+      # Slot-rounds that decoded a live sequence: the rest is the batch waiting for its
+      # slowest samples once no request is left to refill a freed slot.
+      "slot_utilization": counters["request_rounds"] / jnp.maximum(counters["slot_rounds"], 1),
       "acceptance_length": jnp.where(drafted, 1.0 + jnp.sum(accepted) / rounds, 1.0),
       "per_position_acceptance": accepted / rounds,
       "pool_exhausted": trajectories.exhausted,

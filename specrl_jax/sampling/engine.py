@@ -279,17 +279,30 @@ def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
   def body(state):
     state = release_finished(state)
     state = admit(state, prompts, sampling, continuous=continuous, on_admit=on_admit)
-    return round_fn(state)
+    return count_request_rounds(round_fn(state), state.active_N, state.slot_request_N)
 
   if max_rounds is None:
-    return jax.lax.while_loop(pending, body, state)
-  _, state = jax.lax.while_loop(lambda carry: (carry[0] < max_rounds) & pending(carry[1]),
-                                lambda carry: (carry[0] + 1, body(carry[1])),
-                                (jnp.int32(0), state))
-  return state
+    state = jax.lax.while_loop(pending, body, state)
+  else:
+    _, state = jax.lax.while_loop(lambda carry: (carry[0] < max_rounds) & pending(carry[1]),
+                                  lambda carry: (carry[0] + 1, body(carry[1])),
+                                  (jnp.int32(0), state))
+  # The loop stops as soon as the last sequence ends, before the body that would
+  # release it (and run a round with no active slot).
+  return release_finished(state)
+
+
+def count_request_rounds(state: DecodeState, active_N: Array, request_N: Array) -> DecodeState:
+  """Adds the round just run to the count of each request that decoded in it: a batch
+  runs until its slowest request ends, so per-request rounds say which ones set the
+  pace (e.g. prompts a drafter predicts badly)."""
+  rounds_R = state.counters["request_rounds_R"]
+  rows_N = jnp.where(active_N, request_N, rounds_R.shape[0])
+  counters = dict(state.counters, request_rounds_R=rounds_R.at[rows_N].add(1, mode="drop"))
+  return state.replace(counters=counters)
 
 
 def is_done(state: DecodeState, num_requests: int) -> Array:
   """True once every request has finished (or the page pool ran out)."""
-  busy = jnp.any(state.slot_request_N >= 0) | (state.next_request < num_requests)
+  busy = jnp.any(state.active_N) | (state.next_request < num_requests)
   return ~busy | state.pool.exhausted

@@ -37,7 +37,9 @@ class GenerateOutput:
   lengths: int32 [R].
   logprobs: float32 [R, L], log-prob of each emitted token under the warped target
     distribution it was sampled from (0 after the end).
-  stats: acceptance_length, target_calls, generated_tokens, seconds, ...
+  stats: acceptance_length, target_calls, generated_tokens, seconds, request_rounds
+    (int [R]: the rounds each request decoded in; lengths - 1 over it is a request's
+    tokens per round), ...
   """
   tokens: np.ndarray
   lengths: np.ndarray
@@ -314,6 +316,8 @@ def _to_output(final: DecodeState, seconds: float, drafter: Drafter | None = Non
       "target_calls": target_calls,
       "seconds": seconds,
       "tokens_per_second": generated / seconds if seconds > 0 else float("nan"),
+      # Rounds each request decoded in (its first token is sampled at admission).
+      "request_rounds": counters["request_rounds_R"],
   }
   drafted_rounds = int(counters.get("draft_rounds", 0))
   if drafted_rounds:
@@ -337,7 +341,8 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
                drafter: Drafter | None = None, topology: TreeTopology | None = None
                ) -> DecodeState:
   layer_shapes = ((config.num_kv_heads, config.head_dim),) * config.num_layers
-  counters = {"target_calls": jnp.int32(0)}
+  counters = {"target_calls": jnp.int32(0),
+              "request_rounds_R": jnp.zeros((num_requests,), jnp.int32)}
   drafter_state = ()
   if drafter is not None:
     layer_shapes += drafter.kv_layers()
