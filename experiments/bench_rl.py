@@ -1,10 +1,11 @@
 """RL step time, plain vs speculative rollouts, sync vs async, measured in one run.
 
 On the demo's warm-started policy and draft model (``--policy tiny``: trained here, or
-loaded from --warm-from) or on experiments/spec_pair.py's 38M-parameter SFT target and
-its distilled draft model (``--policy medium``: a policy large enough that, as for a
-real one, verifying a few tokens costs little more than decoding one), with the same
-prompts, seeds and engine shape for every arm:
+loaded from --warm-from) or on one of experiments/spec_pair.py's SFT targets and its
+distilled draft model (``--policy medium``: 38M parameters, large enough that, as for a
+real policy, verifying a few tokens costs little more than decoding one on a CPU;
+``--policy large``: ~0.8B, for an accelerator), with the same prompts, seeds and
+engine shape for every arm:
 
   sync  (all devices, one mesh): the fused one-call ``rl_step`` time, and a breakdown
         from the same stages jitted one by one: generation (rollout + rewards),
@@ -17,7 +18,7 @@ prompts, seeds and engine shape for every arm:
 Medians over --steps timed steps after --warmup compiled ones. Prints one JSON object.
 
   python experiments/bench_rl.py [--devices=2] [--steps=6] [--warm-from=runs/demo]
-      [--policy=tiny|medium] [--prompts-per-step=N]
+      [--policy=tiny|medium|large] [--prompts-per-step=N]
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def _parse():
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--warm-from", default="runs/demo")
-  parser.add_argument("--out", default=None, help="default: runs/bench_rl[_medium]")
-  parser.add_argument("--policy", choices=("tiny", "medium"), default="tiny")
+  parser.add_argument("--out", default=None, help="default: runs/bench_rl[_POLICY]")
+  parser.add_argument("--policy", choices=("tiny", "medium", "large"), default="tiny")
   parser.add_argument("--prompts-per-step", type=int, default=None,
-                      help="default: the demo's 16 (tiny), 4 (medium)")
+                      help="default: the demo's 16 (tiny), 4 (a spec_pair policy)")
   return parser.parse_args()
 
 
@@ -151,23 +152,24 @@ def _spec_pair():
   return spec_pair
 
 
-def _medium_overrides() -> list[str]:
-  """spec_pair's medium target and draft model shapes, and its task, as the
+def _pair_overrides(size: str) -> list[str]:
+  """A spec_pair size's target and draft model shapes, and its task, as the
   experiment's policy, drafter and task."""
   pair = _spec_pair()
+  target, draft, _ = pair.SIZES[size]
   shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
            "head_dim")
-  return ([f"--policy.{f}={getattr(pair.MEDIUM_TARGET, f)}" for f in shape]
-          + [f"--drafter.{f}={getattr(pair.DRAFT, f)}" for f in shape]
+  return ([f"--policy.{f}={getattr(target, f)}" for f in shape]
+          + [f"--drafter.{f}={getattr(draft, f)}" for f in shape]
           + [f"--task.min_digits={pair.TASK.min_digits}",
              f"--task.max_digits={pair.TASK.max_digits}"])
 
 
-def _medium_warm_start(folder: str) -> None:
-  """Writes spec_pair's medium target and draft model where a Session loads its warm
+def _pair_warm_start(size: str, folder: str) -> None:
+  """Writes a spec_pair size's target and draft model where a Session loads its warm
   start from (they were SFT'd / distilled on the same task)."""
   from specrl_jax import checkpoint
-  target, draft = _spec_pair().load_or_train(size="medium")
+  target, draft = _spec_pair().load_or_train(size=size)
   if os.path.exists(folder):
     shutil.rmtree(folder)
   checkpoint.save_model(os.path.join(folder, "policy"), target)
@@ -177,14 +179,15 @@ def _medium_warm_start(folder: str) -> None:
 def main() -> int:
   args = ARGS
   devices = len(jax.devices())
-  prompts = args.prompts_per_step or (4 if args.policy == "medium" else 16)
-  args.out = args.out or ("runs/bench_rl_medium" if args.policy == "medium" else "runs/bench_rl")
+  pair = args.policy != "tiny"
+  prompts = args.prompts_per_step or (4 if pair else 16)
+  args.out = args.out or ("runs/bench_rl" + (f"_{args.policy}" if pair else ""))
   config = experiment_config("demo", [
       f"--rl.mesh={devices},1,1", "--output.progress=false", "--output.plots=false",
       f"--output.directory={args.out}", f"--rl.prompts_per_step={prompts}"]
-      + (_medium_overrides() if args.policy == "medium" else []))
-  if args.policy == "medium":
-    _medium_warm_start(os.path.join(args.out, "warm_start"))
+      + (_pair_overrides(args.policy) if pair else []))
+  if pair:
+    _pair_warm_start(args.policy, os.path.join(args.out, "warm_start"))
   else:
     warm = os.path.join(args.warm_from, "warm_start")
     if os.path.exists(warm) and not os.path.exists(os.path.join(args.out, "warm_start")):
