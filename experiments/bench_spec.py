@@ -124,6 +124,7 @@ def main(argv=None) -> int:
              "per_position_acceptance": _mean_per_position(
                  [o.stats["per_position_acceptance"] for o in outs]),
              "target_calls": [o.stats["target_calls"] for o in outs],
+             **_request_spread(outs),
              "generated_tokens": [int(o.lengths.sum()) for o in outs]}
       if "draft_length_schedule" in outs[0].stats:
         row["draft_length_rounds"] = _rounds_by_length(
@@ -147,6 +148,19 @@ def main(argv=None) -> int:
       "slower_than_plain_despite_acceptance_2_5_at_batch_1_or_8": [
           (r["batch"], r["config"]) for r in violations]})
   return 0
+
+
+def _request_spread(outs) -> dict:
+  """How unevenly the requests of a batch progress: the spread of their tokens per
+  round, and the batch's rounds over its requests' mean (a batch runs until its
+  slowest request ends, so pooled acceptance overstates its progress)."""
+  per_request = np.concatenate([(o.lengths - 1) / np.maximum(o.stats["request_rounds"], 1)
+                                for o in outs])
+  straggling = [o.stats["target_calls"] / max(np.mean(o.stats["request_rounds"]), 1e-9)
+                for o in outs]
+  return {"request_tokens_per_round_min_median_max": [
+              round(float(q), 2) for q in np.quantile(per_request, [0, 0.5, 1])],
+          "batch_rounds_over_mean_request_rounds": round(float(np.mean(straggling)), 3)}
 
 
 def _rounds_by_length(schedule) -> dict[int, int]:
