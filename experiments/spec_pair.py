@@ -87,9 +87,9 @@ def load_or_train(force: bool = False, target_steps: int = 200, draft_steps: int
   return target, draft
 
 
-# EAGLE-3 fuses the target's raw (un-normalised) layer outputs through a projection
-# trained from scratch and learns more slowly than MTP, which reads one normalised
-# hidden state: after 250 updates their expected acceptance per depth was 0.87 and 0.99.
+# EAGLE-3 learns more slowly than MTP on these targets: after 250 updates their expected
+# acceptance per depth was 0.87 and 0.99; EAGLE-3 reached 0.98-0.99 by 1000
+# (docs/drafters.md).
 HEAD_UPDATES = {"mtp": 250, "eagle3": 1000}
 HEAD_ROLLOUTS = 512
 HEAD_DEPTH = 3  # unroll steps = the longest chain the heads are trained to draft
