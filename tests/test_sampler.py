@@ -76,6 +76,8 @@ def test_greedy_equals_a_loop_that_recomputes_the_full_forward(model, greedy_sto
   np.testing.assert_array_equal(out.logprobs[out.tokens >= 0], 0.0)  # log 1
   # The first token comes with admission, then one per round the request decodes in.
   np.testing.assert_array_equal(out.stats["request_rounds"], out.lengths - 1)
+  if engine.num_slots == 0:  # all decode from the first round: the longest sets the count
+    assert out.stats["target_calls"] == out.stats["request_rounds"].max()
 
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
