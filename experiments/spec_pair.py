@@ -129,10 +129,6 @@ def load_or_train_heads(target: sj.Transformer, size: str = "small", *,
           "eagle3": lambda d: specforge.save_specforge(d, heads / "eagle3")}
   log_path = heads / "training.json"
   records = json.loads(log_path.read_text()) if log_path.exists() else {}
-  if "last" in records:  # one record for both heads, as written before heads trained apart
-    records = {name: {"updates": records["updates"], "rollouts": records["rollouts"],
-                      "unroll_steps": records["unroll_steps"], "last": last}
-               for name, last in records["last"].items()}
   for name in missing:
     head_start = time.perf_counter()
     config = training.DrafterTrainingConfig(num_updates=updates[name], unroll_steps=HEAD_DEPTH)
