@@ -67,8 +67,9 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str | None = None,
   try:
     config = model_config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype,
                                   weights_dtype=weights_dtype(infos))
-  except (HFFormatError, ConfigError) as error:
-    raise type(error)(f"{config_file}: {error}") from error
+  except (HFFormatError, ConfigError) as error:  # "config.json ..." -> its full path
+    raise type(error)(re.sub(r"^config\.json\b", lambda _: config_file, str(error))
+                      ) from error
   # Shapes only: no random initialisation of weights about to be overwritten.
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)

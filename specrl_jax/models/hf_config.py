@@ -165,8 +165,8 @@ def model_config_from_hf(hf_config: dict[str, Any], *, param_dtype: str | None =
   layer_types = hf_config.get("layer_types") or []
   refuse(not isinstance(layer_types, list)
          or any(kind != "full_attention" for kind in layer_types),
-         f"config.json layer_types={layer_types!r} contains other kinds than "
-         "'full_attention'; allowed: only 'full_attention'.")
+         f"config.json layer_types={layer_types!r} is unsupported; allowed: a list of "
+         "only 'full_attention'.")
   theta, llama3_scaling = _rope(hf_config)
   hidden = _required(hf_config, "hidden_size")
   heads = _required(hf_config, "num_attention_heads")
