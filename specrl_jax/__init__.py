@@ -1,7 +1,7 @@
 """specrl_jax: lossless speculative rollouts for RL post-training, in pure JAX."""
 
 from specrl_jax import drafters
-from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
+from specrl_jax.config import PRESETS, ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.models.hf import HFFormatError, load_hf, load_tokenizer, save_hf
 from specrl_jax.models.transformer import ForwardOutput, Transformer
 from specrl_jax.sampling.engine import EngineConfig
@@ -9,6 +9,6 @@ from specrl_jax.sampling.generate import GenerateOutput, PagePoolExhaustedError,
 
 __all__ = [
     "ConfigError", "EngineConfig", "ForwardOutput", "GenerateOutput", "HFFormatError",
-    "ModelConfig", "PagePoolExhaustedError", "SamplingParams", "SpecConfig", "Transformer",
-    "drafters", "generate", "load_hf", "load_tokenizer", "save_hf",
+    "ModelConfig", "PRESETS", "PagePoolExhaustedError", "SamplingParams", "SpecConfig",
+    "Transformer", "drafters", "generate", "load_hf", "load_tokenizer", "save_hf",
 ]

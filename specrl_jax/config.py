@@ -99,6 +99,32 @@ PRESETS: dict[str, ModelConfig] = {
                               num_layers=8, num_heads=16, num_kv_heads=8, head_dim=64),
 }
 
+# The published architectures (their config.json), in bfloat16 as released. Qwen3 up to
+# 4B ties the LM head to the embedding; Llama 3.2 1B ties, Llama 3.1 8B does not.
+_QWEN3 = dict(vocab_size=151936, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+              qk_norm=True, max_position_embeddings=40960, param_dtype="bfloat16",
+              dtype="bfloat16")
+_LLAMA3 = dict(vocab_size=128256, rope_theta=5e5, rms_norm_eps=1e-5, qk_norm=False,
+               max_position_embeddings=131072, param_dtype="bfloat16", dtype="bfloat16")
+PRESETS.update({
+    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, num_kv_heads=8, tie_embeddings=True, **_QWEN3),
+    "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28,
+                              num_heads=16, num_kv_heads=8, tie_embeddings=True, **_QWEN3),
+    "qwen3-4b": ModelConfig(hidden_size=2560, intermediate_size=9728, num_layers=36,
+                            num_heads=32, num_kv_heads=8, tie_embeddings=True, **_QWEN3),
+    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, num_kv_heads=8, tie_embeddings=False, **_QWEN3),
+    "llama-3.2-1b": ModelConfig(hidden_size=2048, intermediate_size=8192, num_layers=16,
+                                num_heads=32, num_kv_heads=8, head_dim=64,
+                                tie_embeddings=True, rope_llama3_scaling=(32.0, 1.0, 4.0, 8192),
+                                **_LLAMA3),
+    "llama-3.1-8b": ModelConfig(hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128,
+                                tie_embeddings=False, rope_llama3_scaling=(8.0, 1.0, 4.0, 8192),
+                                **_LLAMA3),
+})
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
