@@ -4,11 +4,12 @@ from specrl_jax import drafters
 from specrl_jax.config import PRESETS, ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.models.hf import HFFormatError, load_hf, load_tokenizer, save_hf
 from specrl_jax.models.transformer import ForwardOutput, Transformer
+from specrl_jax.parallel.create import create_model
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.generate import GenerateOutput, PagePoolExhaustedError, generate
 
 __all__ = [
     "ConfigError", "EngineConfig", "ForwardOutput", "GenerateOutput", "HFFormatError",
     "ModelConfig", "PRESETS", "PagePoolExhaustedError", "SamplingParams", "SpecConfig",
-    "Transformer", "drafters", "generate", "load_hf", "load_tokenizer", "save_hf",
+    "Transformer", "create_model", "drafters", "generate", "load_hf", "load_tokenizer", "save_hf",
 ]

@@ -127,6 +127,9 @@ def test_bfloat16_params_and_compute_run_close_to_float32():
   f32 = Transformer(tiny_config(), rngs=nnx.Rngs(0))
   bf16 = Transformer(tiny_config(param_dtype="bfloat16", dtype="bfloat16"), rngs=nnx.Rngs(0))
   assert bf16.embed[...].dtype == jnp.bfloat16
+  # bf16 weights are drawn in bf16 (not rounded from the float32 draw): compare the same
+  # weights, rounded, to isolate the compute.
+  nnx.update(bf16, jax.tree.map(lambda w: w.astype(jnp.bfloat16), nnx.state(f32)))
   logits, hidden, _ = forward(bf16, tokens)
   assert hidden.dtype == jnp.bfloat16
   assert logits.dtype == jnp.float32

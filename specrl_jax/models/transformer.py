@@ -20,7 +20,8 @@ Array = jax.Array
 
 
 def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
-  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+  # Drawn in the param dtype itself: a bfloat16 model never has a float32 copy.
+  return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(std, dtype))
 
 
 class RMSNorm(nnx.Module):

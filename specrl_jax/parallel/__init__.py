@@ -7,6 +7,7 @@ from specrl_jax.parallel.mesh import (
     AXES, BATCH_AXES, batch_sharding, data_parallel_size, make_mesh, process_batch_rows,
     replicated, shard_batch,
 )
+from specrl_jax.parallel.create import bytes_per_device, create_model
 from specrl_jax.parallel.rules import (
     TRANSFORMER_RULES, PartitionRules, named_shardings, partition_specs, path_string,
     rollout_rules, spec_for,
@@ -14,7 +15,8 @@ from specrl_jax.parallel.rules import (
 
 __all__ = [
     "AXES", "BATCH_AXES", "DistributedConfig", "DistributedError", "PartitionRules",
-    "TRANSFORMER_RULES", "batch_sharding", "data_parallel_size", "distributed", "make_mesh",
+    "TRANSFORMER_RULES", "batch_sharding", "bytes_per_device",
+    "create_model", "data_parallel_size", "distributed", "make_mesh",
     "named_shardings", "partition_specs", "path_string", "process_batch_rows", "replicated",
     "rollout_rules", "shard_batch", "spec_for", "transfer",
 ]
