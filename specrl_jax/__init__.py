@@ -2,6 +2,7 @@
 
 from specrl_jax import drafters
 from specrl_jax.config import PRESETS, ConfigError, ModelConfig, SamplingParams, SpecConfig
+from specrl_jax.kv.planner import MemoryBudgetError
 from specrl_jax.models.hf import HFFormatError, load_hf, load_tokenizer, save_hf
 from specrl_jax.models.transformer import ForwardOutput, Transformer
 from specrl_jax.parallel.create import create_model
@@ -10,6 +11,7 @@ from specrl_jax.sampling.generate import GenerateOutput, PagePoolExhaustedError,
 
 __all__ = [
     "ConfigError", "EngineConfig", "ForwardOutput", "GenerateOutput", "HFFormatError",
-    "ModelConfig", "PRESETS", "PagePoolExhaustedError", "SamplingParams", "SpecConfig",
-    "Transformer", "create_model", "drafters", "generate", "load_hf", "load_tokenizer", "save_hf",
+    "MemoryBudgetError", "ModelConfig", "PRESETS", "PagePoolExhaustedError", "SamplingParams",
+    "SpecConfig", "Transformer", "create_model", "drafters", "generate", "load_hf",
+    "load_tokenizer", "save_hf",
 ]

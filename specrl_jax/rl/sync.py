@@ -186,10 +186,11 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
   local_prompts = rollout_config.prompts_per_step // shards
   width = padded_width(prompt_width, engine)
   # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
+  bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
   layout = engine_layout(model_config, prompt_width=width,
                          prompt_pages=local_prompts * -(-width // engine.page_size),
-                         num_requests=local_prompts * group, sampling=sampling, engine=engine)
-  bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
+                         num_requests=local_prompts * group, sampling=sampling, engine=engine,
+                         drafter=bound_drafter, tensor_shards=mesh.shape["tensor"])
   depth = topology.depth if topology is not None else 0
 
   def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng):

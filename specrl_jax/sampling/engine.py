@@ -38,6 +38,11 @@ class EngineConfig:
   prompt_bucket: prompts are padded to a multiple of this, bounding recompilation.
   kv_dtype: dtype of the KV page pool ("float32" or "bfloat16"; None = the model's
     activation dtype). Attention reads it in the compute dtype with float32 scores.
+  memory_fraction: size the pool from the device's memory instead: this share of what
+    ``device.memory_stats()`` reports free after the weights (``kv.planner``).
+  memory_budget_bytes: or from an explicit budget: bytes per device for the weights and
+    the pool together. With either, a batch whose slots cannot fit is refused before
+    anything compiles, and num_slots=0 takes as many slots as fit (up to one per request).
   """
   num_slots: int = 0
   page_size: int = 16
@@ -45,6 +50,8 @@ class EngineConfig:
   continuous_batching: bool = True
   prompt_bucket: int = 16
   kv_dtype: str | None = None
+  memory_fraction: float | None = None
+  memory_budget_bytes: int | None = None
 
   def __post_init__(self):
     owner = "EngineConfig"
@@ -58,6 +65,19 @@ class EngineConfig:
           "prompt_bucket", self.prompt_bucket, "a positive integer")
     check(self.kv_dtype in (None, "float32", "bfloat16"), owner, "kv_dtype", self.kv_dtype,
           "None (the model's dtype), 'float32' or 'bfloat16'")
+    fraction, budget = self.memory_fraction, self.memory_budget_bytes
+    check(fraction is None or (isinstance(fraction, (int, float))
+                               and not isinstance(fraction, bool) and 0 < fraction <= 1),
+          owner, "memory_fraction", fraction, "None or a number in (0, 1]")
+    check(budget is None or (isinstance(budget, int) and not isinstance(budget, bool)
+                             and budget > 0),
+          owner, "memory_budget_bytes", budget, "None or a positive integer")
+    sizings = {name: getattr(self, name) for name in ("num_pages", "memory_fraction",
+                                                      "memory_budget_bytes")
+               if getattr(self, name)}
+    check(len(sizings) <= 1, owner, next(reversed(sizings), "num_pages"), sizings,
+          "at most one of num_pages, memory_fraction and memory_budget_bytes (each sizes "
+          "the page pool)")
 
 
 @flax.struct.dataclass

@@ -17,6 +17,7 @@ from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import DecodeState, EngineConfig, Prompts, is_done, run_loop
+from specrl_jax.sampling.memory import plan_engine_memory, sharded_bytes, tree_bytes
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling import sharded
 from specrl_jax.sampling.prefill import prefill
@@ -137,8 +138,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
     return _generate_on_shards(config, graphdef, params, drafter, prompts, rng,
                                sampling=sampling,
                                spec=spec, engine=engine, mesh=mesh)
-  inputs, layout, drafter, topology, draft_mode = prepare(config, prompts, sampling, engine,
-                                                          drafter, spec)
+  inputs, layout, drafter, topology, draft_mode = prepare(
+      config, prompts, sampling, engine, drafter, spec,
+      weight_bytes=_weight_bytes(params, engine, mesh), tensor_shards=_tensor_shards(mesh))
   drafter_params = drafter.params() if drafter is not None else ()
   placement = None
   if mesh is not None:
@@ -187,9 +189,11 @@ def _generate_on_shards(config, graphdef, params, drafter, prompts: list[list[in
   width = padded_width(max(len(p) for p in prompts), engine)
   inputs, _ = sharded.pack_blocks(blocks, _group_prompts, pack_prompts, width)
   prompt_pages = int(np.max(np.sum(-(-inputs[1] // engine.page_size), axis=1)))
-  layout = engine_layout(config, prompt_width=width, prompt_pages=prompt_pages,
-                         num_requests=len(blocks.blocks[0]), sampling=sampling, engine=engine)
   drafter, topology, draft_mode = speculation(config, sampling, drafter, spec)
+  layout = engine_layout(config, prompt_width=width, prompt_pages=prompt_pages,
+                         num_requests=len(blocks.blocks[0]), sampling=sampling, engine=engine,
+                         drafter=drafter, weight_bytes=_weight_bytes(params, engine, mesh),
+                         tensor_shards=_tensor_shards(mesh))
   params = sharded.place_weights(params, mesh)
   drafter_params, placement = sharded.place_drafter(
       drafter.params() if drafter is not None else (), params, mesh)
@@ -339,9 +343,28 @@ def _with_schedule(output: GenerateOutput, controller: DraftLengthController,
   return output
 
 
+def _weight_bytes(params, engine: EngineConfig, mesh: Mesh | None) -> int | None:
+  """The target's weights on one device as generate lays them out, when a memory budget
+  needs them."""
+  if engine.memory_fraction is None and engine.memory_budget_bytes is None:
+    return None
+  return tree_bytes(params) if mesh is None else sharded_bytes(params, mesh)
+
+
+def _tensor_shards(mesh: Mesh | None) -> int:
+  return 1 if mesh is None else mesh.shape["tensor"]
+
+
 def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: EngineConfig,
-            drafter=None, spec: SpecConfig | None = None):
+            drafter=None, spec: SpecConfig | None = None, *, weight_bytes: int | None = None,
+            tensor_shards: int = 1):
   """Host-side packing of validated prompts into static-shape arrays.
+
+  With a memory budget (``EngineConfig.memory_fraction`` / ``memory_budget_bytes``) the
+  pool's pages and, for num_slots=0, the slots come from ``kv.planner``, and slots that
+  cannot fit raise its MemoryBudgetError here, before anything compiles. weight_bytes:
+  the target's weights on one device (default: estimated from ``config``); tensor_shards:
+  ways the KV heads are split.
 
   Returns (inputs, layout, drafter, topology, draft_mode) where inputs =
   (tokens_UxT, lengths_U, prompt_of_request_R, last_request_U) as device arrays and the
@@ -349,10 +372,12 @@ def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: 
   """
   unique, prompt_of_request, last_request = _group_prompts(prompts)
   tokens, lengths = pack_prompts(unique, padded_width(max(len(p) for p in unique), engine))
+  drafter, topology, draft_mode = speculation(config, sampling, drafter, spec)
   layout = engine_layout(config, prompt_width=tokens.shape[1],
                          prompt_pages=int(np.sum(-(-lengths // engine.page_size))),
-                         num_requests=len(prompts), sampling=sampling, engine=engine)
-  drafter, topology, draft_mode = speculation(config, sampling, drafter, spec)
+                         num_requests=len(prompts), sampling=sampling, engine=engine,
+                         drafter=drafter, weight_bytes=weight_bytes,
+                         tensor_shards=tensor_shards)
   inputs = tuple(jnp.asarray(a) for a in (tokens, lengths, prompt_of_request, last_request))
   return inputs, layout, drafter, topology, draft_mode
 
@@ -371,18 +396,30 @@ def pack_prompts(unique: Sequence[Sequence[int]], width: int) -> tuple[np.ndarra
 
 
 def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests: int,
-                  sampling: SamplingParams, engine: EngineConfig) -> _Layout:
+                  sampling: SamplingParams, engine: EngineConfig, drafter=None,
+                  weight_bytes: int | None = None, tensor_shards: int = 1) -> _Layout:
   """The static shape of a decode program, from shapes alone: prompts ``prompt_width``
   wide (padded) needing ``prompt_pages`` pages in all, and ``num_requests`` samples of
-  the model ``config``."""
+  the model ``config``. With a memory budget in ``engine`` the pool and (num_slots=0)
+  the slots come from ``kv.planner`` (``drafter``'s weights and KV layers counted;
+  weight_bytes: the target's on one device, default estimated from ``config``), and
+  slots that cannot fit raise its MemoryBudgetError."""
   num_slots = engine.num_slots or min(num_requests, 256)
   page_size = engine.page_size
   # Room for the prompt and every emitted token: keys a speculative round commits past
   # that (accepted drafts beyond the budget, never emitted) go to the trash page.
   max_pages = -(-(prompt_width + sampling.max_new_tokens + 1) // page_size)
-  enough = 1 + prompt_pages + num_slots * max_pages
+  # Pages every prompt holds until its last sample is admitted, and the trash page.
+  reserved = 1 + prompt_pages
+  plan = plan_engine_memory(config, engine, drafter, weight_bytes=weight_bytes,
+                            tensor_shards=tensor_shards)
+  if plan is not None:
+    num_slots = plan.admit(num_slots, pages_per_sequence=max_pages, reserved_pages=reserved,
+                           shrink=engine.num_slots == 0)
+  enough = reserved + num_slots * max_pages
   return _Layout(num_slots=num_slots, page_size=page_size,
-                 num_pages=engine.num_pages or enough, max_pages_per_seq=max_pages,
+                 num_pages=plan.num_pages if plan is not None else engine.num_pages or enough,
+                 max_pages_per_seq=max_pages,
                  max_new_tokens=sampling.max_new_tokens,
                  continuous=engine.continuous_batching, pages_always_enough=enough,
                  kv_dtype=engine.kv_dtype or config.dtype)
