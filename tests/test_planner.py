@@ -18,6 +18,7 @@ from specrl_jax import testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.kv.planner import (MemoryBudgetError, bytes_per_page, kv_heads_per_device,
                                    plan_memory)
+from specrl_jax.parallel.create import create_model
 from specrl_jax.sampling import generate as generate_module
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.generate import generate, prepare
@@ -165,3 +166,25 @@ def test_one_slot_more_is_refused_before_compiling_with_the_numbers(model):
                  f"memory_budget_bytes={engine.memory_budget_bytes}",
                  str(weight_bytes(model)), "At most 3 sequences"):
     assert number in message, number
+
+
+def test_a_draft_models_weights_and_pages_count_against_the_budget(model):
+  """The drafter's layers share the target's pages, so each page is larger, and its
+  weights take from the budget: the budget that holds three plain slots holds fewer."""
+  small = create_model(model.config.replace(num_layers=1, hidden_size=16, intermediate_size=16,
+                                            num_heads=2, num_kv_heads=1), rng=1)
+  draft = sj.drafters.DraftModel(small)
+  engine = EngineConfig(page_size=PAGE, memory_budget_bytes=budget_for_slots(model, 3))
+  _, layout, *_ = prepare(model.config, PROMPTS, SAMPLING, engine, draft, SpecConfig(),
+                          weight_bytes=weight_bytes(model))
+  config = model.config
+  page_bytes = (config.num_layers * config.num_kv_heads + 1) * 2 * PAGE * config.head_dim * 4
+  pool_bytes = engine.memory_budget_bytes - weight_bytes(model) - weight_bytes(small)
+  assert layout.num_pages == pool_bytes // page_bytes
+  assert 1 <= layout.num_slots < 3
+
+
+def test_a_memory_fraction_on_a_backend_without_memory_statistics_is_refused(model):
+  """CPU reports no memory_stats(): the fraction cannot be taken of anything."""
+  with pytest.raises(MemoryBudgetError, match="memory_budget_bytes instead"):
+    generate(model, PROMPTS, sampling=SAMPLING, engine=EngineConfig(memory_fraction=0.5))
