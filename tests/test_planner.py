@@ -188,3 +188,15 @@ def test_a_memory_fraction_on_a_backend_without_memory_statistics_is_refused(mod
   """CPU reports no memory_stats(): the fraction cannot be taken of anything."""
   with pytest.raises(MemoryBudgetError, match="memory_budget_bytes instead"):
     generate(model, PROMPTS, sampling=SAMPLING, engine=EngineConfig(memory_fraction=0.5))
+
+
+def test_splitting_kv_heads_over_tensor_shards_halves_each_page(model):
+  """Two KV heads over two tensor shards: each device stores one head of every page."""
+  engine = EngineConfig(page_size=PAGE, memory_budget_bytes=budget_for_slots(model, 3))
+  layouts = [prepare(model.config, PROMPTS, SAMPLING, engine, weight_bytes=weight_bytes(model),
+                     tensor_shards=shards)[1] for shards in (1, 2)]
+  pool_bytes = engine.memory_budget_bytes - weight_bytes(model)
+  config = model.config
+  whole_page = config.num_layers * 2 * config.num_kv_heads * PAGE * config.head_dim * 4
+  assert [layout.num_pages for layout in layouts] == [pool_bytes // whole_page,
+                                                      pool_bytes // (whole_page // 2)]
