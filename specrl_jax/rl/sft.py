@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specrl_jax.config import check
+from specrl_jax.config import check, is_finite_number
 from specrl_jax.models import tokenizer
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.rl.tasks.base import Problem, Task
@@ -47,9 +47,13 @@ class SFTConfig:
     for name in ("steps", "batch_size"):
       value = getattr(self, name)
       check(isinstance(value, int) and value > 0, owner, name, value, "a positive integer")
-    check(self.learning_rate > 0, owner, "learning_rate", self.learning_rate, "> 0")
-    check(self.weight_decay >= 0, owner, "weight_decay", self.weight_decay, ">= 0")
-    check(0 <= self.noise <= 1, owner, "noise", self.noise, "a fraction in [0, 1]")
+    finite = lambda name: is_finite_number(getattr(self, name))
+    check(finite("learning_rate") and self.learning_rate > 0, owner, "learning_rate",
+          self.learning_rate, "a finite number > 0")
+    check(finite("weight_decay") and self.weight_decay >= 0, owner, "weight_decay",
+          self.weight_decay, "a finite number >= 0")
+    check(finite("noise") and 0 <= self.noise <= 1, owner, "noise", self.noise,
+          "a fraction in [0, 1]")
 
 
 def with_digit_noise(problem: Problem, rng: np.random.Generator) -> Problem:
