@@ -107,8 +107,10 @@ def train_sft(model: Transformer, task: Task, config: SFTConfig, *,
   With ``teacher``, the target is the teacher's next-token distribution (temperature
   1) on the same sequences: distillation of a drafter from the policy.
   """
+  warmup = max(1, config.steps // 10)
+  # At least one step of decay after the warmup: optax refuses an empty cosine (steps=1).
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, max(1, config.steps // 10), config.steps,
+      0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
       end_value=config.learning_rate * 0.1)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, weight_decay=config.weight_decay))
