@@ -16,10 +16,14 @@ from multiprocessing.connection import Connection
 
 
 def _address_space_bytes() -> int:
-  with open("/proc/self/status") as status:
-    for line in status:
-      if line.startswith("VmSize:"):
-        return int(line.split()[1]) * 1024
+  """This process's virtual memory size (Linux; 0 where /proc does not say)."""
+  try:
+    with open("/proc/self/status") as status:
+      for line in status:
+        if line.startswith("VmSize:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
   return 0
 
 

@@ -116,8 +116,8 @@ class RewardWorkers:
     if process is not None and process.poll() is None:
       return self._connections[worker]
     self._kill(worker)
-    connection = self._start(worker)
     try:
+      connection = self._start(worker)
       if not connection.poll(STARTUP_SECONDS):
         raise EOFError
       connection.recv()  # "ready": the function is loaded
