@@ -8,6 +8,7 @@ experiment fails at construction rather than deep inside a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -19,6 +20,15 @@ def check(condition: bool, owner: str, field: str, value: Any, allowed: str) -> 
   """Raises ConfigError naming ``owner.field`` when ``condition`` is false."""
   if not condition:
     raise ConfigError(f"{owner}.{field}={value!r} is invalid: expected {allowed}.")
+
+
+def is_finite_number(value: Any) -> bool:
+  """A real number (bools excluded) that is neither NaN nor infinite: what every float
+  field of a config must be (an infinite learning rate trains NaN weights)."""
+  try:
+    return bool(not isinstance(value, bool) and math.isfinite(value) and float(value) == value)
+  except TypeError:
+    return False
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
