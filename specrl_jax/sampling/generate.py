@@ -16,8 +16,10 @@ from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import DecodeState, EngineConfig, Prompts, is_done, run_loop
+from specrl_jax.sampling.inputs import check_arguments
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling.prefill import prefill
+from specrl_jax.sampling.programs import PROGRAMS, bucket_inputs, trim
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.adaptive import DraftLengthController
 from specrl_jax.speculative.catch_up import catch_up_drafter
@@ -59,29 +61,6 @@ class _Layout:
   pages_always_enough: int
 
 
-def _validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
-                      sampling: SamplingParams, max_positions: int) -> list[list[int]]:
-  if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-    raise ValueError("prompts must be a non-empty list of token-id lists; got "
-                     f"{type(prompts).__name__} of length {len(prompts) if hasattr(prompts, '__len__') else '?'}.")
-  checked = []
-  for index, prompt in enumerate(prompts):
-    ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-    if not ids:
-      raise ValueError(f"prompts[{index}] is empty: every prompt needs at least one token.")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-      raise ValueError(f"prompts[{index}] has token id {bad[0]} outside the vocabulary "
-                       f"[0, {vocab_size}).")
-    if len(ids) + sampling.max_new_tokens > max_positions:
-      raise ValueError(
-          f"prompts[{index}] has {len(ids)} tokens; with max_new_tokens="
-          f"{sampling.max_new_tokens} that exceeds the model's context of {max_positions} "
-          "positions (ModelConfig.max_position_embeddings).")
-    checked.append(ids)
-  return checked
-
-
 def _group_prompts(prompts: list[list[int]]):
   """Distinct prompts (first-seen order), each request's prompt and each prompt's last request."""
   index_of: dict[tuple[int, ...], int] = {}
@@ -108,12 +87,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   it measured carries over instead of being explored again. Default: a fresh one.
   """
   config = model.config
-  prompts = _validate_prompts(prompts, config.vocab_size, sampling,
-                              config.max_position_embeddings)
-  if rng is None:
-    rng = jax.random.key(0)
-  elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    rng = jax.random.wrap_key_data(rng)
+  prompts, rng = check_arguments(config, prompts, sampling=sampling, rng=rng,
+                                 drafter=drafter, spec=spec)
   inputs, layout, drafter, topology, draft_mode = prepare(config, prompts, sampling, engine,
                                                           drafter, spec)
   graphdef, params = nnx.split(model)
@@ -125,8 +100,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   if controller is not None:
     raise ValueError("controller was given but spec is not adaptive: pass "
                      "spec=sj.SpecConfig(..., adaptive=True) or drop controller.")
-  return _generate_whole(graphdef, params, drafter, inputs, rng, sampling=sampling,
-                         layout=layout, topology=topology, draft_mode=draft_mode)
+  inputs, layout = bucket_inputs(inputs, layout, engine)
+  return trim(_generate_whole(graphdef, params, drafter, inputs, rng, sampling=sampling,
+                              layout=layout, topology=topology, draft_mode=draft_mode),
+              len(prompts))
 
 
 def _generate_whole(graphdef, params, drafter: Drafter | None, inputs, rng, *,
@@ -134,9 +111,10 @@ def _generate_whole(graphdef, params, drafter: Drafter | None, inputs, rng, *,
                     topology: TreeTopology | None, draft_mode: str | None) -> GenerateOutput:
   """The whole rollout as one compiled program, timed."""
   start = time.perf_counter()
-  final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
-                    *inputs, rng, sampling=sampling, layout=layout, drafter=drafter,
-                    topology=topology, draft_mode=draft_mode)
+  final = PROGRAMS.call(rollout, (graphdef,),
+                        dict(sampling=sampling, layout=layout, drafter=drafter,
+                             topology=topology, draft_mode=draft_mode),
+                        params, drafter.params() if drafter is not None else (), *inputs, rng)
   final = _fetch_results(final)
   seconds = time.perf_counter() - start
   _raise_if_exhausted(final, layout, inputs)
@@ -455,7 +433,6 @@ def rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_r
 
 
 _STATIC = ("graphdef", "sampling", "layout", "drafter", "topology", "draft_mode")
-_generate = jax.jit(rollout, static_argnames=_STATIC)
 _start = jax.jit(start_rollout, static_argnames=_STATIC[:-1])
 
 
