@@ -433,6 +433,7 @@ def rollout(graphdef, params, drafter_params, tokens_UxT, lengths_U, prompt_of_r
 
 
 _STATIC = ("graphdef", "sampling", "layout", "drafter", "topology", "draft_mode")
+_generate = jax.jit(rollout, static_argnames=_STATIC)
 _start = jax.jit(start_rollout, static_argnames=_STATIC[:-1])
 
 
