@@ -22,6 +22,7 @@ from specrl_jax.config import ConfigError
 from specrl_jax.kernels import (paged_attention, paged_attention_gpu_interpret,
                                 paged_attention_tpu, paged_attention_tpu_interpret,
                                 prefill_attention, resolve_attention)
+from specrl_jax.kernels.dispatch import paged_attention_gpu_where_it_fits
 from specrl_jax.kernels.paged_attention_gpu import paged_attention_gpu
 from specrl_jax.kv.paged import PagedKV, paged_attention_reference
 from specrl_jax.kv.pool import TRASH_PAGE
@@ -195,7 +196,7 @@ def test_prefill_attention_matches_the_reference_on_prefill_masks():
 
 def test_attention_choices_resolve_per_backend():
   assert resolve_attention("auto", "cpu").decode is paged_attention_reference
-  assert resolve_attention("auto", "gpu").decode is paged_attention_gpu
+  assert resolve_attention("auto", "gpu").decode is paged_attention_gpu_where_it_fits
   assert resolve_attention("auto", "tpu").decode is paged_attention_tpu
   assert resolve_attention("reference", "gpu").prefill is paged_attention_reference
   pallas_on_cpu = resolve_attention("pallas", "cpu")
@@ -229,8 +230,15 @@ def test_inconsistent_shapes_are_rejected_by_name():
     paged_attention_tpu(*make_inputs(page_size=16, prefix_lengths=(6,),
                                      mask_TxN=causal_mask(1), num_kv_heads=1, groups=1),
                         interpret=True, pages_per_block=0)
-  # Triton tensors are powers of two and its dots at least 16 wide.
-  with pytest.raises(ValueError, match="page_size=4"):
+  # Compiled, Triton tensors are powers of two and its dots at least 16 wide.
+  with pytest.raises(ValueError, match="page_size=4, head_dim=16"):
     paged_attention_gpu(*make_inputs(page_size=4, prefix_lengths=(6,),
-                                     mask_TxN=causal_mask(1), num_kv_heads=1, groups=1),
-                        interpret=True)
+                                     mask_TxN=causal_mask(1), num_kv_heads=1, groups=1))
+
+
+def test_interpret_mode_takes_pages_the_triton_lowering_cannot():
+  # The engine tests' toy models: page size 4 (head_dim 8 there).
+  args = make_inputs(page_size=4, prefix_lengths=(6, 8, 0), mask_TxN=causal_mask(4),
+                     num_kv_heads=2, groups=2)
+  chex.assert_trees_all_close(paged_attention_gpu_interpret(*args),
+                              paged_attention_reference(*args), atol=1e-5, rtol=1e-5)

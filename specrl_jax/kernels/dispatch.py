@@ -3,7 +3,9 @@
   "reference": the pure-JAX gather-every-page reference (kv/paged.py) everywhere.
   "pallas":    the paged kernel of the backend (Triton on GPU, Mosaic on TPU) for decode
                and verification, and ``jax.nn.dot_product_attention`` for prefill. On
-               CPU the GPU kernel runs in interpret mode: exact, and slow (the tests).
+               GPU, pools the Triton lowering cannot tile (page_size or head_dim not a
+               power of two >= 16: the tests' toy models) use the reference. On CPU the
+               GPU kernel runs in interpret mode at any shape: exact, and slow (tests).
   "auto":      "pallas" on an accelerator, "reference" on CPU.
 """
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.config import check
-from specrl_jax.kernels.paged_attention_gpu import paged_attention_gpu
+from specrl_jax.kernels.paged_attention_gpu import fits_triton, paged_attention_gpu
 from specrl_jax.kernels.paged_attention_tpu import paged_attention_tpu
 from specrl_jax.kv.paged import AttentionFn, paged_attention_reference
 
@@ -28,6 +30,15 @@ ATTENTION_CHOICES = ("auto", "reference", "pallas")
 # call would compare unequal and recompile every rollout.
 paged_attention_gpu_interpret = functools.partial(paged_attention_gpu, interpret=True)
 paged_attention_tpu_interpret = functools.partial(paged_attention_tpu, interpret=True)
+
+
+def paged_attention_gpu_where_it_fits(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
+                                      *args: Array) -> Array:
+  """The Triton kernel where the pool's shapes lower, the reference elsewhere."""
+  _, _, page_size, head_dim = k_pages_PxKxSxD.shape
+  attention_fn = (paged_attention_gpu if fits_triton(page_size, head_dim)
+                  else paged_attention_reference)
+  return attention_fn(q_BxTxHxD, k_pages_PxKxSxD, *args)
 
 
 def prefill_attention(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSxD: Array,
@@ -75,7 +86,7 @@ def resolve_attention(attention: str, backend: str | None = None) -> AttentionPl
     attention = "reference" if backend == "cpu" else "pallas"
   if attention == "reference":
     return AttentionPlan("reference", paged_attention_reference, paged_attention_reference)
-  decode = {"tpu": paged_attention_tpu, "gpu": paged_attention_gpu}.get(
+  decode = {"tpu": paged_attention_tpu, "gpu": paged_attention_gpu_where_it_fits}.get(
       backend, paged_attention_gpu_interpret)
   return AttentionPlan("pallas", decode, prefill_attention)
 

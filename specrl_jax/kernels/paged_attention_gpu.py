@@ -13,7 +13,8 @@ the prefix, shared or trash, are never read), then folds in the new keys, with a
 online softmax in float32 throughout. The Triton lowering wants power-of-two tensors
 and dots at least 16 wide: query rows and new keys are padded to that here (padded
 keys are masked, padded rows are dropped), page_size and head_dim must be powers of
-two >= 16. Runs anywhere with ``interpret=True`` (the CPU tests).
+two >= 16 when compiled. Runs anywhere with ``interpret=True`` (the CPU tests), at any
+page size and head_dim.
 
 Not done here: splitting a long prefix across programs (flash-decoding's split-K).
 With B * KV programs a batch-1 decode of a model with 8 KV heads occupies 8 of an
@@ -42,6 +43,11 @@ def _padded(n: int) -> int:
   return max(_MIN_DOT, pl.next_power_of_2(n))
 
 
+def fits_triton(page_size: int, head_dim: int) -> bool:
+  """Whether a pool of these pages lowers: both powers of two, at least 16."""
+  return all(n >= _MIN_DOT and not n & (n - 1) for n in (page_size, head_dim))
+
+
 def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSxD: Array,
                         page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxNxKxD: Array,
                         v_new_BxNxKxD: Array, new_mask_BxTxN: Array, *,
@@ -53,10 +59,10 @@ def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSx
   batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
   _, num_kv_heads, page_size, _ = k_pages_PxKxSxD.shape
   new_keys = new_mask_BxTxN.shape[-1]
-  for name, value in (("page_size", page_size), ("head_dim", head_dim)):
-    if value < _MIN_DOT or value & (value - 1):
-      raise ValueError(f"paged_attention_gpu: {name}={value}; the Triton lowering needs a "
-                       f"power of two >= {_MIN_DOT}.")
+  if not interpret and not fits_triton(page_size, head_dim):
+    raise ValueError(f"paged_attention_gpu: page_size={page_size}, head_dim={head_dim}; the "
+                     f"Triton lowering needs powers of two >= {_MIN_DOT} (interpret mode "
+                     "takes any).")
   groups = num_heads // num_kv_heads
   rows = q_len * groups
   rows_padded, keys_padded = _padded(rows), _padded(new_keys)
@@ -76,11 +82,10 @@ def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSx
                                     (0, keys_padded - new_keys)))
 
   per_head = lambda b, h: (b, h, 0, 0)
-  # The whole table, lengths and pool (one head's): refs are pointers under Triton, the
-  # kernel reads the entries and pages it needs.
+  # The whole table, lengths and pools: refs are pointers under Triton, the kernel reads
+  # the entries and pages it needs. (Whole arrays, not one head's slice of the pool:
+  # interpret mode would copy a slice per program, a full block it does not.)
   whole = lambda array: pl.BlockSpec(array.shape, lambda b, h: (0,) * array.ndim)
-  pool_spec = pl.BlockSpec((k_pages_PxKxSxD.shape[0], None, page_size, head_dim),
-                           lambda b, h: (0, h, 0, 0))
   precision = (jax.lax.Precision.HIGHEST if q_BxTxHxD.dtype == jnp.float32
                else jax.lax.Precision.DEFAULT)
   kernel = functools.partial(_kernel, page_size=page_size, scale=head_dim ** -0.5,
@@ -93,7 +98,7 @@ def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSx
                 pl.BlockSpec((None, None, keys_padded, head_dim), per_head),
                 pl.BlockSpec((None, None, keys_padded, head_dim), per_head),
                 pl.BlockSpec((None, rows_padded, keys_padded), lambda b, h: (b, 0, 0)),
-                pool_spec, pool_spec],
+                whole(k_pages_PxKxSxD), whole(v_pages_PxKxSxD)],
       out_specs=pl.BlockSpec((None, None, rows_padded, head_dim), per_head),
       out_shape=jax.ShapeDtypeStruct(q_BxKxRxD.shape, q_BxTxHxD.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -107,7 +112,7 @@ def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSx
 
 def _kernel(page_table_ref, prefix_lengths_ref, q_ref, k_new_ref, v_new_ref, mask_ref,
             k_pool_ref, v_pool_ref, out_ref, *, page_size, scale, precision):
-  b = pl.program_id(0)
+  b, kv_head = pl.program_id(0), pl.program_id(1)
   prefix_length = prefix_lengths_ref[b]
   q_RxD = q_ref[...]
   rows, head_dim = q_RxD.shape
@@ -129,7 +134,7 @@ def _kernel(page_table_ref, prefix_lengths_ref, q_ref, k_new_ref, v_new_ref, mas
     page = page_table_ref[b, index]
     position_1xS = index * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
     visible_RxS = jnp.broadcast_to(position_1xS < prefix_length, (rows, page_size))
-    return attend(carry, k_pool_ref[page], v_pool_ref[page], visible_RxS)
+    return attend(carry, k_pool_ref[page, kv_head], v_pool_ref[page, kv_head], visible_RxS)
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32),
            jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams, check
+from specrl_jax.kernels.dispatch import ATTENTION_CHOICES
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import PagedKV, page_size_of
 from specrl_jax.kv.pool import TRASH_PAGE, PagePool
@@ -36,12 +37,16 @@ class EngineConfig:
   continuous_batching: refill a slot as soon as its sequence ends; when False, wait
     until the whole batch has finished (static batching).
   prompt_bucket: prompts are padded to a multiple of this, bounding recompilation.
+  attention: "auto" (per backend: the Pallas kernels on GPU and TPU, the reference on
+    CPU), "reference" (the pure-JAX reference everywhere) or "pallas" (the kernels; on
+    CPU in interpret mode, slow); resolved when the engine builds its state.
   """
   num_slots: int = 0
   page_size: int = 16
   num_pages: int = 0
   continuous_batching: bool = True
   prompt_bucket: int = 16
+  attention: str = "auto"
 
   def __post_init__(self):
     owner = "EngineConfig"
@@ -53,6 +58,8 @@ class EngineConfig:
           owner, "num_pages", self.num_pages, "0 (automatic) or an integer >= 2")
     check(isinstance(self.prompt_bucket, int) and self.prompt_bucket > 0, owner,
           "prompt_bucket", self.prompt_bucket, "a positive integer")
+    check(self.attention in ATTENTION_CHOICES, owner, "attention", self.attention,
+          f"one of {ATTENTION_CHOICES}")
 
 
 @flax.struct.dataclass

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from specrl_jax.config import SamplingParams, SpecConfig
+from specrl_jax.kernels.dispatch import resolve_attention
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
 from specrl_jax.models.transformer import Transformer
@@ -57,6 +58,7 @@ class _Layout:
   max_new_tokens: int
   continuous: bool
   pages_always_enough: int
+  attention: str = "auto"     # EngineConfig.attention, resolved in init_state
 
 
 def _validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
@@ -300,7 +302,8 @@ def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: 
   layout = _Layout(num_slots=num_slots, page_size=page_size,
                    num_pages=engine.num_pages or enough, max_pages_per_seq=max_pages,
                    max_new_tokens=sampling.max_new_tokens,
-                   continuous=engine.continuous_batching, pages_always_enough=enough)
+                   continuous=engine.continuous_batching, pages_always_enough=enough,
+                   attention=engine.attention)
   inputs = tuple(jnp.asarray(a) for a in (tokens, lengths, prompt_of_request, last_request))
   return inputs, layout, drafter, topology, draft_mode
 
@@ -353,7 +356,9 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
   k_pages, v_pages = init_pages(layer_shapes, layout.num_pages, layout.page_size,
                                 jnp.dtype(config.dtype))
   n = layout.num_slots
+  attention = resolve_attention(layout.attention)
   kv = PagedKV(k_pages=k_pages, v_pages=v_pages,
+               attention_fn=attention.decode, prefill_attention_fn=attention.prefill,
                page_table_BxM=jnp.zeros((n, layout.max_pages_per_seq), jnp.int32),
                prefix_lengths_B=jnp.zeros((n,), jnp.int32),
                new_mask_BxTxT=jnp.ones((n, 1, 1), bool),
