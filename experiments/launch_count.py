@@ -62,8 +62,8 @@ def parse_computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, str]]],
 def _called(rest: str, *keys: str) -> list[str]:
   names = []
   for key in keys:
-    for match in re.finditer(rf"{key}=\{{?([%\w.\-, ]+)\}}?", rest):
-      names += [name.strip().lstrip("%") for name in match.group(1).split(",")]
+    for match in re.finditer(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", rest):
+      names += [name.strip(" {}%") for name in match.group(1).split(",")]
   return names
 
 
@@ -76,6 +76,9 @@ def count_launches(computations, name: str) -> collections.Counter:
     counts[opcode] += 1
     if opcode == "while":
       for inner in _called(rest, "condition", "body"):
+        counts.update(count_launches(computations, inner))
+    elif opcode == "call":  # e.g. the CPU's parallel task partitions
+      for inner in _called(rest, "to_apply"):
         counts.update(count_launches(computations, inner))
     elif opcode == "conditional":
       for inner in _called(rest, "branch_computations", "true_computation",
