@@ -12,6 +12,7 @@ same shape, chain of k drafts) is counted the same way. Backend: JAX's default o
 so on a GPU the counts are the GPU's (its fusion passes differ from the CPU's).
 
   python experiments/launch_count.py [--preset bench-160m] [--batch 8] [--k 3]
+      [--attention reference auto] [--layers 1 2] [--tiny]
 """
 
 from __future__ import annotations
@@ -148,22 +149,27 @@ def main(argv=None) -> int:
   parser.add_argument("--prompt-length", type=int, default=64)
   parser.add_argument("--new-tokens", type=int, default=128)
   parser.add_argument("--k", type=int, default=3, help="drafts per speculative round")
-  parser.add_argument("--attention", default="reference", choices=ATTENTION_CHOICES)
+  parser.add_argument("--attention", nargs="+", default=["reference"], choices=ATTENTION_CHOICES,
+                      help="count the loop with each (auto on CPU is the reference)")
   parser.add_argument("--layers", type=int, nargs=2, default=(2, 4),
                       help="the two layer counts whose difference gives per-layer counts")
+  parser.add_argument("--tiny", action="store_true",
+                      help="the preset's layout at toy widths (a quick dry run)")
   args = parser.parse_args(argv)
   config = PRESETS[args.preset]
+  if args.tiny:
+    config = config.replace(vocab_size=512, hidden_size=64, intermediate_size=128,
+                            num_heads=4, num_kv_heads=2, head_dim=16)
   shape = dict(batch=args.batch, prompt_length=args.prompt_length,
-               new_tokens=args.new_tokens, attention=args.attention)
-  report = {
-      "backend": jax.default_backend(), "preset": args.preset,
-      "config": dataclasses.asdict(config), **shape, "k": args.k,
-      "layers_compared": list(args.layers),
-      "decode_step": measure(config, layers=tuple(args.layers), speculative=False,
-                             k=args.k, **shape),
-      "speculative_round": measure(config, layers=tuple(args.layers), speculative=True,
-                                   k=args.k, **shape),
-  }
+               new_tokens=args.new_tokens)
+  report = {"backend": jax.default_backend(), "preset": args.preset, "tiny": args.tiny,
+            "config": dataclasses.asdict(config), **shape, "k": args.k,
+            "layers_compared": list(args.layers), "by_attention": {}}
+  for attention in args.attention:
+    report["by_attention"][attention] = {
+        part: measure(config, layers=tuple(args.layers), speculative=speculative, k=args.k,
+                      attention=attention, **shape)
+        for part, speculative in (("decode_step", False), ("speculative_round", True))}
   print(json.dumps(report, indent=1, default=str))
   return 0
 
