@@ -26,6 +26,7 @@ from specrl_jax.kernels.dispatch import paged_attention_gpu_where_it_fits
 from specrl_jax.kernels.paged_attention_gpu import paged_attention_gpu
 from specrl_jax.kv.paged import PagedKV, paged_attention_reference
 from specrl_jax.kv.pool import TRASH_PAGE
+from specrl_jax.sampling.engine import EngineConfig
 
 NUM_PAGES = 12
 HEAD_DIM = 16
@@ -208,6 +209,8 @@ def test_attention_choices_resolve_per_backend():
   assert resolve_attention("pallas", "cpu") == pallas_on_cpu
   with pytest.raises(ConfigError, match="attention='triton'"):
     resolve_attention("triton")
+  with pytest.raises(ConfigError, match="EngineConfig.attention='triton'.*'pallas'"):
+    EngineConfig(attention="triton")
 
 
 def test_dispatcher_uses_the_reference_on_cpu_and_the_kernel_on_request():
