@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from specrl_jax.config import ConfigError, ModelConfig
@@ -147,6 +148,32 @@ def test_bfloat16_checkpoint_loads_as_bfloat16_unless_asked_otherwise(tmp_path):
   assert mixed.config.dtype == "bfloat16"
 
 
+# bf16 keeps 8 significant bits, so every rounding moves a value by up to 2^-9 of it.
+# Two bf16 implementations (ours, transformers') round in different places: on these
+# logits of magnitude ~3 they differ by 0.02-0.07, as much as transformers' bf16 model
+# differs from its own float32 run on the same weights.
+BF16_TOLERANCE = 0.1
+
+
+def test_bfloat16_transformers_checkpoint_runs_in_bfloat16_like_transformers(tmp_path):
+  reference, path = save_reference(tmp_path, "qwen3-mha-qknorm-tied")
+  reference = reference.to(torch.bfloat16)
+  reference.save_pretrained(path)
+  ours = load_hf(path)
+  assert ours.config.param_dtype == ours.config.dtype == "bfloat16"
+  params = dict(nnx.to_flat_state(nnx.state(ours, nnx.Param)))
+  assert {leaf[...].dtype for leaf in params.values()} == {jnp.dtype(jnp.bfloat16)}
+  # Bit-exact weights: nothing was rounded on the way in.
+  embed = reference.model.embed_tokens.weight.detach().float().numpy()
+  np.testing.assert_array_equal(np.asarray(ours.embed[...], np.float32), embed)
+  for tokens in prompts(0):
+    expected = torch_logits(reference, tokens)
+    got = np.asarray(ours(jnp.asarray(tokens, jnp.int32)))
+    assert got.dtype == np.float32 and np.abs(expected).max() > 1.0
+    np.testing.assert_allclose(got, expected, atol=BF16_TOLERANCE, rtol=0,
+                               err_msg=f"prompt length {tokens.shape[1]}")
+
+
 def test_sharded_transformers_checkpoint_loads(tmp_path):
   reference, _ = save_reference(tmp_path, "qwen2-gqa2-biases-untied")
   path = str(tmp_path / "sharded")
@@ -228,6 +255,8 @@ def test_bfloat16_model_saves_as_bfloat16(tmp_path):
   save_hf(ours, tmp_path)
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+  with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+    assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
   reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
   assert reference.dtype == torch.bfloat16
   chex.assert_trees_all_equal(nnx.state(load_hf(tmp_path), nnx.Param),

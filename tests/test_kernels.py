@@ -132,6 +132,17 @@ def test_kernel_matches_reference(kernel, groups, q_len, page_size, dtype, kind)
                               atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_float32_queries_over_a_bfloat16_pool(kernel):
+  # EngineConfig(kv_dtype="bfloat16") under a float32 model.
+  q, k_pages, v_pages, *rest = make_inputs(page_size=16, prefix_lengths=ragged_prefixes(16),
+                                           mask_TxN=tree_mask(4), num_kv_heads=2, groups=4)
+  args = (q, k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16), *rest)
+  got = KERNELS[kernel](*args)
+  assert got.dtype == jnp.float32
+  chex.assert_trees_all_close(got, paged_attention_reference(*args), atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("pages_per_block", [1, 3])
 def test_tpu_pages_per_block_does_not_change_the_result(pages_per_block):
   # 3 does not divide the 4 page-table slots: the last block is partly past the table.

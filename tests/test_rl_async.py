@@ -24,11 +24,10 @@ LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant", sampling=SAM
 PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
 
 
-@pytest.fixture(scope="module")
-def pipeline():
+def _pipeline(rollout_shape, train_shape):
   devices = jax.devices()
-  rollout_mesh = parallel.make_mesh((2, 1, 1), devices=devices[:2])
-  train_mesh = parallel.make_mesh((2, 1, 1), devices=devices[2:4])
+  rollout_mesh = parallel.make_mesh(rollout_shape, devices=devices[:2])
+  train_mesh = parallel.make_mesh(train_shape, devices=devices[2:4])
   graphdef, params = nnx.split(sj.Transformer(POLICY, rngs=nnx.Rngs(0)))
   online = online_drafters.online_drafter(
       sj.drafters.DraftModel(sj.Transformer(POLICY.replace(num_layers=1), rngs=nnx.Rngs(1))),
@@ -40,6 +39,11 @@ def pipeline():
       rollout_mesh=rollout_mesh, train_mesh=train_mesh, state=state,
       prompt_width=PROMPTS.tokens_PxT.shape[1], max_policy_lag=1, online=online,
       spec=sj.SpecConfig(num_draft_tokens=2)), state
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+  return _pipeline((2, 1, 1), (2, 1, 1))
 
 
 def _run(pipeline, state, lag, updates=5):
@@ -102,3 +106,16 @@ def test_meshes_must_not_share_devices():
     async_pipeline.AsyncPipeline(None, POLICY, TASK, LEARNER, sync.RolloutConfig(),
                                  rollout_mesh=mesh, train_mesh=mesh, state=None,
                                  prompt_width=16, max_policy_lag=1)
+
+
+def test_async_rollouts_split_heads_over_a_tensor_axis():
+  """Both meshes (1, 1, 2): the weights pushed to the rollout are split over its tensor
+  axis as the train state's are, and the pipeline trains on what they generate."""
+  pipeline, state = _pipeline((1, 1, 2), (1, 1, 2))
+  params, _ = pipeline.push_weights(state)
+  q_proj = params["layers"][0]["attn"]["q_proj"].value
+  assert q_proj.sharding.spec[1] == "tensor" and not q_proj.sharding.is_fully_replicated
+  assert q_proj.sharding.device_set == set(pipeline.rollout_mesh.devices.flat)
+  records = _run(pipeline, state, lag=1, updates=2)
+  assert all(np.isfinite(r.metrics["loss"]) for r in records)
+  assert records[-1].metrics["acceptance_length"] > 1.0

@@ -104,3 +104,28 @@ def test_build_rows_places_the_response_right_after_each_prompt():
   np.testing.assert_array_equal(tokens, [[1, 5, 6, 9, 2, 0, 0], [1, 7, 8, 8, 2, 0, 0]])
   np.testing.assert_array_equal(mask, [[0, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0, 0]])
   np.testing.assert_allclose(log_probs, [[0, 0, 0, -0.5, -0.25, 0, 0], [0, 0, -1, -2, -3, 0, 0]])
+
+
+def test_the_rollout_gives_every_sample_its_own_slot(speculative):
+  """EngineConfig(num_slots=0) means a slot per request, and in a rollout a request is
+  a sample: each of the 4 shards decodes its prompt's 4 samples side by side."""
+  program, state = speculative
+  prompts, rng = _inputs(program, 3)
+  metrics = sync.to_host(sync.rollout_metrics(program.rollout_jit(state, prompts, rng),
+                                              SAMPLING.max_new_tokens))
+  assert metrics["rollout_slots"] == ROLLOUT.prompts_per_step * ROLLOUT.group_size
+
+
+def test_a_tensor_parallel_rollout_samples_what_one_device_samples():
+  """Weights and KV heads split two ways change where the arithmetic runs, not the
+  trajectories; the one-jit step trains on them."""
+  one, one_state = _program(parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1]))
+  two, two_state = _program(parallel.make_mesh((1, 1, 2), devices=jax.devices()[:2]))
+  expected = jax.device_get(one.rollout_jit(one_state, *_inputs(one, 0)))
+  got = jax.device_get(two.rollout_jit(two_state, *_inputs(two, 0)))
+  np.testing.assert_array_equal(got.batch.tokens, expected.batch.tokens)
+  np.testing.assert_allclose(got.batch.rollout_logprobs, expected.batch.rollout_logprobs,
+                             atol=1e-5)
+  assert two_state.params["layers"][0]["attn"]["q_proj"].value.sharding.spec[1] == "tensor"
+  state, metrics = two.rl_step(_copy(two, two_state), *_inputs(two, 1))
+  assert np.isfinite(sync.to_host(metrics)["loss"]) and int(state.step) == 1

@@ -72,7 +72,9 @@ def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSx
                .transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim))
   q_BxKxRxD = jnp.pad(q_BxKxRxD, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
   pad_keys = ((0, 0), (0, 0), (0, keys_padded - new_keys), (0, 0))
-  k_new_BxKxNxD = jnp.pad(k_new_BxNxKxD.astype(k_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3),
+  # As in the reference: keys in the query dtype, values in the pool's (a bfloat16 pool
+  # under float32 activations: EngineConfig.kv_dtype).
+  k_new_BxKxNxD = jnp.pad(k_new_BxNxKxD.astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3),
                           pad_keys)
   v_new_BxKxNxD = jnp.pad(v_new_BxNxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3),
                           pad_keys)
@@ -134,7 +136,8 @@ def _kernel(page_table_ref, prefix_lengths_ref, q_ref, k_new_ref, v_new_ref, mas
     page = page_table_ref[b, index]
     position_1xS = index * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
     visible_RxS = jnp.broadcast_to(position_1xS < prefix_length, (rows, page_size))
-    return attend(carry, k_pool_ref[page, kv_head], v_pool_ref[page, kv_head], visible_RxS)
+    return attend(carry, k_pool_ref[page, kv_head].astype(q_RxD.dtype),
+                  v_pool_ref[page, kv_head], visible_RxS)
 
   carry = (jnp.zeros((rows, head_dim), jnp.float32),
            jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32))

@@ -80,7 +80,8 @@ def paged_attention_tpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
   # Rows of one KV head ordered (token, group) so the mask expands by repetition.
   q_BxKxRxD = (q_BxTxHxD.reshape(batch, q_len, num_kv_heads, groups, head_dim)
                .transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim))
-  k_new_BxKxNxD = k_new_BxNxKxD.astype(k_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
+  # As in the reference: keys in the query dtype, values in the pool's.
+  k_new_BxKxNxD = k_new_BxNxKxD.astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3)
   v_new_BxKxNxD = v_new_BxNxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
   # Booleans are not a supported memory type on every backend; int32 is.
   new_mask_BxTxN = new_mask_BxTxN.astype(jnp.int32)
@@ -173,7 +174,8 @@ class _OnlineSoftmax:
 
   def update(self, k_NxD: Array, v_NxD: Array, visible_RxN: Array) -> None:
     contract_last = (((1,), (1,)), ((), ()))
-    scores_RxN = jax.lax.dot_general(self.q_ref[...], k_NxD, contract_last,
+    q_RxD = self.q_ref[...]
+    scores_RxN = jax.lax.dot_general(q_RxD, k_NxD.astype(q_RxD.dtype), contract_last,
                                      preferred_element_type=jnp.float32) * self.scale
     scores_RxN = jnp.where(visible_RxN, scores_RxN, MASK_VALUE)
     max_prev = self.max_ref[...]

@@ -9,12 +9,12 @@ from specrl_jax.parallel.mesh import (
 )
 from specrl_jax.parallel.rules import (
     TRANSFORMER_RULES, PartitionRules, named_shardings, partition_specs, path_string,
-    spec_for,
+    rollout_rules, spec_for,
 )
 
 __all__ = [
     "AXES", "BATCH_AXES", "DistributedConfig", "DistributedError", "PartitionRules",
     "TRANSFORMER_RULES", "batch_sharding", "data_parallel_size", "distributed", "make_mesh",
     "named_shardings", "partition_specs", "path_string", "process_batch_rows", "replicated",
-    "shard_batch", "spec_for", "transfer",
+    "rollout_rules", "shard_batch", "spec_for", "transfer",
 ]

@@ -33,6 +33,21 @@ TRANSFORMER_RULES: PartitionRules = (
     (r"(^|/)scale$", P()),                             # norm weights: tiny, replicated
 )
 
+
+
+def rollout_rules(rules: PartitionRules = TRANSFORMER_RULES) -> PartitionRules:
+  """``rules`` for decoding: "fsdp" dropped. In a rollout fsdp is a batch axis (each
+  shard decodes its own requests), so weights are whole along it and split over
+  "tensor" only."""
+  def without_fsdp(spec: P) -> P:
+    def keep(axes):
+      names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+      names = tuple(name for name in names if name != "fsdp")
+      return None if not names else names[0] if len(names) == 1 else names
+    return P(*(keep(axes) for axes in spec))
+  return tuple((pattern, without_fsdp(spec)) for pattern, spec in rules)
+
+
 # Wrappers that carry a value but are not part of the parameter's name.
 _VALUE_KEYS = ("value", "raw_value")
 

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specrl_jax.config import ConfigError, SpecConfig, check
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.mesh import batch_sharding
+from specrl_jax.parallel.rules import named_shardings, rollout_rules
 from specrl_jax.rl.learner import LearnerConfig, TrainState, make_log_prob_step, make_train_step
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.sync import (
@@ -42,6 +43,7 @@ from specrl_jax.rl.sync import (
 )
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.sampling.sharded import REPLICATE_DRAFTER_BELOW, tree_bytes
 from specrl_jax.speculative.drafters.base import Drafter
 
 
@@ -128,10 +130,22 @@ class AsyncPipeline:
 
   def push_weights(self, state: TrainState):
     """The rollout's copy of the policy (and drafter) weights: a reshard onto the
-    rollout mesh, replicated there (each rollout shard decodes with whole weights)."""
+    rollout mesh, split over its "tensor" axis and whole along its batch axes (each
+    rollout shard decodes with the whole of its tensor slice); a small drafter is
+    replicated there."""
     drafter = (self.online.rollout_params(state.drafter_params) if self.online is not None
                else self._static_drafter_params)
-    return distributed.transfer((state.params, drafter), self._replicated)
+    return distributed.transfer((state.params, drafter), self._rollout_layout(
+        state.params, drafter))
+
+  def _rollout_layout(self, params, drafter_params):
+    mesh = self.rollout_mesh
+    layout = named_shardings(params, mesh, rollout_rules())
+    small = tree_bytes(drafter_params) <= REPLICATE_DRAFTER_BELOW * tree_bytes(params)
+    drafter_layout = (jax.tree.map(lambda _: self._replicated, drafter_params)
+                      if small or mesh.shape["tensor"] == 1
+                      else named_shardings(drafter_params, mesh, rollout_rules()))
+    return layout, drafter_layout
 
   def _to_train_mesh(self, trajectories: Trajectories) -> Trajectories:
     replicated = NamedSharding(self.train_mesh, P())

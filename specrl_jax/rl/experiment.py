@@ -121,7 +121,11 @@ RL_MODES = ("sync", "async")
 class RLSection:
   """GRPO. mode "sync": one jitted step per update on one mesh; "async": rollouts on
   ``rollout_devices`` devices and training on the next ``train_devices``, overlapped,
-  trajectories at most ``max_policy_lag`` updates old."""
+  trajectories at most ``max_policy_lag`` updates old.
+
+  mesh: (data, fsdp, tensor) of the sync mesh; rollouts split weights and KV heads over
+  tensor and requests over data * fsdp. In async mode only (1, 1, T): both meshes
+  split heads T ways."""
   mode: str = "sync"
   steps: int = 30
   group_size: int = 8
@@ -149,6 +153,17 @@ class RLSection:
           "max_policy_lag", self.max_policy_lag, "an integer >= 0")
     check(self.temperature > 0, owner, "temperature", self.temperature,
           "> 0 (GRPO needs sampled rollouts)")
+    check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
+          and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.mesh),
+          owner, "mesh", self.mesh, "three positive sizes (data, fsdp, tensor)")
+    if self.mode == "async":
+      tensor = self.mesh[2]
+      check(self.mesh[:2] == (1, 1), owner, "mesh", self.mesh,
+            "(1, 1, T) in async mode: rollout_devices and train_devices size the two "
+            "meshes, and T splits heads over 'tensor' in both")
+      for name in ("rollout_devices", "train_devices"):
+        check(getattr(self, name) % tensor == 0, owner, name, getattr(self, name),
+              f"a multiple of the tensor size {tensor} of RLSection.mesh")
 
   def learner(self, max_new_tokens: int) -> LearnerConfig:
     sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,

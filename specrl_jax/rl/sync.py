@@ -42,7 +42,9 @@ from specrl_jax.rl.learner import (
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import prepare, rollout as engine_rollout
+from specrl_jax.sampling.generate import (
+    engine_layout, padded_width, rollout as engine_rollout, speculation,
+)
 from specrl_jax.speculative.drafters.base import Drafter
 
 Array = jax.Array
@@ -54,7 +56,7 @@ class Trajectories:
 
   batch: the learner's Batch (old_logprobs hold the rollout log-probs until the
     trainer recomputes them); rewards_R, lengths_R: per sample;
-  counters: target_calls, slot_rounds (target calls x slots), request_rounds (rounds
+  counters: target_calls, slots (decode slots), slot_rounds (target calls x slots), request_rounds (rounds
     the samples decoded in), draft_rounds, accepted_per_position [depth] (all summed
     over rollout shards); exhausted: any shard's KV page pool ran out;
   policy_version: the number of updates of the weights that generated it.
@@ -83,14 +85,6 @@ class RolloutConfig:
             name, value, "a positive integer")
     check(self.group_size > 1, owner, "group_size", self.group_size,
           "at least 2 (advantages compare a sample with its group)")
-
-
-def _layout_prompts(num_prompts: int, width: int) -> list[list[int]]:
-  """Distinct prompts of the maximum length: what fixes the rollout's static layout
-  (distinct so that each prompt counts as its own page holder)."""
-  first = tokenizer.PAD_ID + 3
-  return [[tokenizer.BOS_ID] + [first + (i // 50 ** j) % 50 for j in range(width - 1)]
-          for i in range(num_prompts)]
 
 
 def build_rows(prompt_tokens_RxT: Array, prompt_lengths_R: Array, response_RxL: Array,
@@ -190,9 +184,12 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
         f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
         "groups)")
   local_prompts = rollout_config.prompts_per_step // shards
-  _, layout, bound_drafter, topology, draft_mode = prepare(
-      model_config, _layout_prompts(local_prompts, prompt_width), sampling, engine, drafter,
-      spec)
+  width = padded_width(prompt_width, engine)
+  # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
+  layout = engine_layout(model_config, prompt_width=width,
+                         prompt_pages=local_prompts * -(-width // engine.page_size),
+                         num_requests=local_prompts * group, sampling=sampling, engine=engine)
+  bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
   depth = topology.depth if topology is not None else 0
 
   def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng):
@@ -210,6 +207,7 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
         tokens_PxT[prompt_of_request_R], lengths_P[prompt_of_request_R], final.out_tokens_RxL,
         final.out_lengths_R, final.out_log_probs_RxL)
     counters = {"target_calls": final.counters["target_calls"],
+                "slots": jnp.int32(layout.num_slots),
                 "slot_rounds": final.counters["target_calls"] * layout.num_slots,
                 "request_rounds": jnp.sum(final.counters["request_rounds_R"]),
                 "draft_rounds": final.counters.get("draft_rounds", jnp.int32(0)),
@@ -219,8 +217,12 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
     return tokens, mask, log_probs, rewards_R.astype(jnp.float32), final.out_lengths_R, per_shard
 
   rows = P(BATCH_AXES)
+  # Manual over the batch axes only: each (data, fsdp) shard runs its own engine, while
+  # the "tensor" axis stays automatic, so weights sharded over it (heads, MLP columns)
+  # stay sharded and the compiler splits every layer and the KV pages' heads with them.
   sharded = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), rows, rows, rows, P()),
-                          out_specs=(rows, rows, rows, rows, rows, rows), check_vma=False)
+                          out_specs=(rows, rows, rows, rows, rows, rows),
+                          axis_names=set(BATCH_AXES), check_vma=False)
 
   def rollout(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories:
     tokens, mask, log_probs, rewards_R, lengths_R, (counters, exhausted) = sharded(
@@ -253,6 +255,7 @@ def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str
       "truncated_fraction": jnp.mean((lengths >= max_new_tokens).astype(jnp.float32)),
       "generated_tokens": jnp.sum(lengths),
       "target_calls": counters["target_calls"],
+      "rollout_slots": counters["slots"],
       # Slot-rounds that decoded a live sequence: the rest is the batch waiting for its
       # slowest samples once no request is left to refill a freed slot.
       "slot_utilization": counters["request_rounds"] / jnp.maximum(counters["slot_rounds"], 1),

@@ -200,8 +200,13 @@ class Session:
       raise ConfigError(f"async RL with rollout_devices={rl.rollout_devices} and train_devices="
                         f"{rl.train_devices} needs {needed} devices; {len(devices)} are "
                         "available (on CPU set JAX_NUM_CPU_DEVICES).")
-    rollout = make_mesh((rl.rollout_devices, 1, 1), devices=devices[:rl.rollout_devices])
-    train = make_mesh((rl.train_devices, 1, 1), devices=devices[rl.rollout_devices:needed])
+    # Async meshes take the tensor size of rl.mesh (checked by RLSection): the rollout
+    # and the train mesh each split heads that many ways and their batch the rest.
+    tensor = rl.mesh[2]
+    rollout = make_mesh((rl.rollout_devices // tensor, 1, tensor),
+                        devices=devices[:rl.rollout_devices])
+    train = make_mesh((rl.train_devices // tensor, 1, tensor),
+                      devices=devices[rl.rollout_devices:needed])
     return train, rollout
 
   def step_prompts(self, step: int, rows: slice = slice(None)):

@@ -37,6 +37,8 @@ class EngineConfig:
   continuous_batching: refill a slot as soon as its sequence ends; when False, wait
     until the whole batch has finished (static batching).
   prompt_bucket: prompts are padded to a multiple of this, bounding recompilation.
+  kv_dtype: dtype of the KV page pool ("float32" or "bfloat16"; None = the model's
+    activation dtype). Attention reads it in the compute dtype with float32 scores.
   attention: "auto" (per backend: the Pallas kernels on GPU and TPU, the reference on
     CPU), "reference" (the pure-JAX reference everywhere) or "pallas" (the kernels; on
     CPU in interpret mode, slow); resolved when the engine builds its state.
@@ -46,6 +48,7 @@ class EngineConfig:
   num_pages: int = 0
   continuous_batching: bool = True
   prompt_bucket: int = 16
+  kv_dtype: str | None = None
   attention: str = "auto"
 
   def __post_init__(self):
@@ -58,6 +61,8 @@ class EngineConfig:
           owner, "num_pages", self.num_pages, "0 (automatic) or an integer >= 2")
     check(isinstance(self.prompt_bucket, int) and self.prompt_bucket > 0, owner,
           "prompt_bucket", self.prompt_bucket, "a positive integer")
+    check(self.kv_dtype in (None, "float32", "bfloat16"), owner, "kv_dtype", self.kv_dtype,
+          "None (the model's dtype), 'float32' or 'bfloat16'")
     check(self.attention in ATTENTION_CHOICES, owner, "attention", self.attention,
           f"one of {ATTENTION_CHOICES}")
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from specrl_jax.config import SamplingParams, SpecConfig
 from specrl_jax.kernels.dispatch import resolve_attention
@@ -18,6 +19,7 @@ from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import DecodeState, EngineConfig, Prompts, is_done, run_loop
 from specrl_jax.sampling.plain import plain_round
+from specrl_jax.sampling import sharded
 from specrl_jax.sampling.prefill import prefill
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.adaptive import DraftLengthController
@@ -58,6 +60,7 @@ class _Layout:
   max_new_tokens: int
   continuous: bool
   pages_always_enough: int
+  kv_dtype: str = "float32"
   attention: str = "auto"     # EngineConfig.attention, resolved in init_state
 
 
@@ -101,13 +104,19 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
              drafter=None, spec: SpecConfig | None = None,
              engine: EngineConfig = EngineConfig(),
-             controller: DraftLengthController | None = None) -> GenerateOutput:
+             controller: DraftLengthController | None = None,
+             mesh: Mesh | None = None) -> GenerateOutput:
   """Samples a response for every prompt (repeat a prompt G times for a GRPO group:
   identical prompts are prefilled once and share their KV pages).
 
   controller: with ``SpecConfig(adaptive=True)``, the draft-length controller to use and
   update; pass the same one to every call of a run (e.g. each RL step) so that what
   it measured carries over instead of being explored again. Default: a fresh one.
+  mesh: a ("data", "fsdp", "tensor") mesh (``specrl_jax.parallel.make_mesh``) to decode
+    on: the weights and the KV pages' heads are split over "tensor", the requests over
+    ("data", "fsdp") in contiguous blocks, each shard with its own page pool and slots
+    (``engine`` applies per shard). ``stats["drafter_sharding"]`` says whether the
+    drafter was replicated or split like the target.
   """
   config = model.config
   prompts = _validate_prompts(prompts, config.vocab_size, sampling,
@@ -116,33 +125,99 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
     rng = jax.random.key(0)
   elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
     rng = jax.random.wrap_key_data(rng)
-  inputs, layout, drafter, topology, draft_mode = prepare(config, prompts, sampling, engine,
-                                                          drafter, spec)
-  graphdef, params = nnx.split(model)
-  if spec is not None and spec.adaptive:
-    return _generate_adaptive(graphdef, params, drafter, inputs, rng, sampling=sampling,
-                              layout=layout, topology=topology, draft_mode=draft_mode,
-                              rounds_per_decision=spec.rounds_per_decision,
-                              controller=controller)
-  if controller is not None:
+  adaptive = spec is not None and spec.adaptive
+  if controller is not None and not adaptive:
     raise ValueError("controller was given but spec is not adaptive: pass "
                      "spec=sj.SpecConfig(..., adaptive=True) or drop controller.")
-  return _generate_whole(graphdef, params, drafter, inputs, rng, sampling=sampling,
-                         layout=layout, topology=topology, draft_mode=draft_mode)
+  graphdef, params = nnx.split(model)
+  if mesh is not None and sharded.batch_shards(mesh) > 1:
+    if adaptive:
+      raise ValueError(
+          f"adaptive speculation runs on meshes without batch shards: mesh {dict(mesh.shape)} "
+          "splits requests over data*fsdp > 1. Use data = fsdp = 1 (tensor parallelism "
+          "only), or a fixed SpecConfig(num_draft_tokens=...).")
+    return _generate_on_shards(config, graphdef, params, drafter, prompts, rng,
+                               sampling=sampling,
+                               spec=spec, engine=engine, mesh=mesh)
+  inputs, layout, drafter, topology, draft_mode = prepare(config, prompts, sampling, engine,
+                                                          drafter, spec)
+  drafter_params = drafter.params() if drafter is not None else ()
+  placement = None
+  if mesh is not None:
+    sharded.check_mesh(mesh)
+    params = sharded.place_weights(params, mesh)
+    drafter_params, placement = sharded.place_drafter(drafter_params, params, mesh)
+    inputs, rng = sharded.replicate(mesh, (inputs, rng))
+  if adaptive:
+    output = _generate_adaptive(graphdef, params, drafter, inputs, rng, sampling=sampling,
+                                layout=layout, topology=topology, draft_mode=draft_mode,
+                                rounds_per_decision=spec.rounds_per_decision,
+                                controller=controller, drafter_params=drafter_params)
+  else:
+    output = _generate_whole(graphdef, params, drafter, inputs, rng, sampling=sampling,
+                             layout=layout, topology=topology, draft_mode=draft_mode,
+                             drafter_params=drafter_params)
+  if placement is not None and drafter is not None:
+    output.stats["drafter_sharding"] = placement
+  return output
 
 
 def _generate_whole(graphdef, params, drafter: Drafter | None, inputs, rng, *,
                     sampling: SamplingParams, layout: _Layout,
-                    topology: TreeTopology | None, draft_mode: str | None) -> GenerateOutput:
+                    topology: TreeTopology | None, draft_mode: str | None,
+                    drafter_params=None) -> GenerateOutput:
   """The whole rollout as one compiled program, timed."""
+  if drafter_params is None:
+    drafter_params = drafter.params() if drafter is not None else ()
   start = time.perf_counter()
-  final = _generate(graphdef, params, drafter.params() if drafter is not None else (),
+  final = _generate(graphdef, params, drafter_params,
                     *inputs, rng, sampling=sampling, layout=layout, drafter=drafter,
                     topology=topology, draft_mode=draft_mode)
   final = _fetch_results(final)
   seconds = time.perf_counter() - start
   _raise_if_exhausted(final, layout, inputs)
   return _to_output(final, seconds, drafter)
+
+
+def _generate_on_shards(config, graphdef, params, drafter, prompts: list[list[int]], rng, *,
+                        sampling: SamplingParams, spec: SpecConfig | None,
+                        engine: EngineConfig, mesh: Mesh) -> GenerateOutput:
+  """The whole rollout with the requests split over the mesh's batch shards, each
+  shard's engine on its contiguous block (one compiled program for all shards)."""
+  sharded.check_mesh(mesh)
+  blocks = sharded.RequestBlocks.split(prompts, sharded.batch_shards(mesh))
+  width = padded_width(max(len(p) for p in prompts), engine)
+  inputs, _ = sharded.pack_blocks(blocks, _group_prompts, pack_prompts, width)
+  prompt_pages = int(np.max(np.sum(-(-inputs[1] // engine.page_size), axis=1)))
+  layout = engine_layout(config, prompt_width=width, prompt_pages=prompt_pages,
+                         num_requests=len(blocks.blocks[0]), sampling=sampling, engine=engine)
+  drafter, topology, draft_mode = speculation(config, sampling, drafter, spec)
+  params = sharded.place_weights(params, mesh)
+  drafter_params, placement = sharded.place_drafter(
+      drafter.params() if drafter is not None else (), params, mesh)
+  start = time.perf_counter()
+  final = _generate_sharded(graphdef, params, drafter_params, sharded.replicate(mesh, rng),
+                            *sharded.on_rows(mesh, inputs), mesh=mesh, sampling=sampling,
+                            layout=layout, drafter=drafter, topology=topology,
+                            draft_mode=draft_mode)
+  final = jax.device_get(final)
+  seconds = time.perf_counter() - start
+  if np.any(final.pool.exhausted):
+    _raise_if_exhausted(final.replace(pool=final.pool.replace(exhausted=True)), layout,
+                        (inputs[0][0],))
+  counters = dict(sharded.sum_shards(final.counters),
+                  request_rounds_R=blocks.gather_rows(final.counters["request_rounds_R"]))
+  merged = final.replace(out_tokens_RxL=blocks.gather_rows(final.out_tokens_RxL),
+                         out_log_probs_RxL=blocks.gather_rows(final.out_log_probs_RxL),
+                         out_lengths_R=blocks.gather_rows(final.out_lengths_R),
+                         counters=counters)
+  output = _to_output(merged, seconds)
+  if drafter is not None:
+    output.stats["drafter_sharding"] = placement
+    output.stats["drafter_per_shard"] = [
+        drafter.stats(jax.tree.map(lambda x, s=shard: x[s], final.drafter))
+        for shard in range(len(blocks.real))]
+  return output
 
 
 def _fetch_results(state: DecodeState) -> DecodeState:
@@ -164,7 +239,8 @@ def _raise_if_exhausted(final: DecodeState, layout: _Layout, inputs) -> None:
 def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                        sampling: SamplingParams, layout: _Layout, topology: TreeTopology,
                        draft_mode: str, rounds_per_decision: int,
-                       controller: DraftLengthController | None) -> GenerateOutput:
+                       controller: DraftLengthController | None,
+                       drafter_params=None) -> GenerateOutput:
   """Decodes in batches of rounds, re-choosing the chain length (0 = plain) between
   batches with a DraftLengthController. The state is built for the longest chain, so
   every length runs on it; each length compiles once.
@@ -189,7 +265,7 @@ def _generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   if k == 0 and plain_measured:
     return _plain_rollout(graphdef, params, inputs, rng, sampling=sampling, layout=layout,
                           controller=controller, first_decision=first_decision)
-  drafter_params = drafter.params()
+  drafter_params = drafter.params() if drafter_params is None else drafter_params
   start = time.perf_counter()
   state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
                           layout=layout, drafter=drafter, topology=topology)
@@ -274,38 +350,59 @@ def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: 
   rest are the static arguments of ``rollout``.
   """
   unique, prompt_of_request, last_request = _group_prompts(prompts)
-  bucket = engine.prompt_bucket
-  padded = -(-max(len(p) for p in unique) // bucket) * bucket
-  tokens = np.zeros((len(unique), padded), np.int32)
+  tokens, lengths = pack_prompts(unique, padded_width(max(len(p) for p in unique), engine))
+  layout = engine_layout(config, prompt_width=tokens.shape[1],
+                         prompt_pages=int(np.sum(-(-lengths // engine.page_size))),
+                         num_requests=len(prompts), sampling=sampling, engine=engine)
+  drafter, topology, draft_mode = speculation(config, sampling, drafter, spec)
+  inputs = tuple(jnp.asarray(a) for a in (tokens, lengths, prompt_of_request, last_request))
+  return inputs, layout, drafter, topology, draft_mode
+
+
+def padded_width(longest_prompt: int, engine: EngineConfig) -> int:
+  """Prompt arrays are padded to a multiple of the bucket, bounding recompilation."""
+  return -(-longest_prompt // engine.prompt_bucket) * engine.prompt_bucket
+
+
+def pack_prompts(unique: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens_UxT zero-padded to ``width``, lengths_U) on the host."""
+  tokens = np.zeros((len(unique), width), np.int32)
   for row, prompt in enumerate(unique):
     tokens[row, :len(prompt)] = prompt
-  lengths = np.asarray([len(p) for p in unique], np.int32)
+  return tokens, np.asarray([len(p) for p in unique], np.int32)
 
-  num_requests = len(prompts)
+
+def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests: int,
+                  sampling: SamplingParams, engine: EngineConfig) -> _Layout:
+  """The static shape of a decode program, from shapes alone: prompts ``prompt_width``
+  wide (padded) needing ``prompt_pages`` pages in all, and ``num_requests`` samples of
+  the model ``config``."""
   num_slots = engine.num_slots or min(num_requests, 256)
-  topology = draft_mode = None
-  if drafter is not None:
-    spec = spec or SpecConfig()
-    topology = TreeTopology.from_spec(spec)
-    # With a greedy target only the argmax can be accepted: rank children instead of
-    # sampling them (still exact, and never worse).
-    draft_mode = "greedy" if sampling.greedy else spec.draft_mode
-    drafter = drafter.bind(config)
-  elif spec is not None:
-    raise ValueError("spec was given without a drafter: pass drafter=sj.drafters.... to "
-                     "decode speculatively, or drop spec for plain decoding.")
   page_size = engine.page_size
   # Room for the prompt and every emitted token: keys a speculative round commits past
   # that (accepted drafts beyond the budget, never emitted) go to the trash page.
-  max_pages = -(-(padded + sampling.max_new_tokens + 1) // page_size)
-  enough = 1 + int(np.sum(-(-lengths // page_size))) + num_slots * max_pages
-  layout = _Layout(num_slots=num_slots, page_size=page_size,
-                   num_pages=engine.num_pages or enough, max_pages_per_seq=max_pages,
-                   max_new_tokens=sampling.max_new_tokens,
-                   continuous=engine.continuous_batching, pages_always_enough=enough,
-                   attention=engine.attention)
-  inputs = tuple(jnp.asarray(a) for a in (tokens, lengths, prompt_of_request, last_request))
-  return inputs, layout, drafter, topology, draft_mode
+  max_pages = -(-(prompt_width + sampling.max_new_tokens + 1) // page_size)
+  enough = 1 + prompt_pages + num_slots * max_pages
+  return _Layout(num_slots=num_slots, page_size=page_size,
+                 num_pages=engine.num_pages or enough, max_pages_per_seq=max_pages,
+                 max_new_tokens=sampling.max_new_tokens,
+                 continuous=engine.continuous_batching, pages_always_enough=enough,
+                 kv_dtype=engine.kv_dtype or config.dtype, attention=engine.attention)
+
+
+def speculation(config, sampling: SamplingParams, drafter=None, spec: SpecConfig | None = None):
+  """(bound drafter, topology, draft_mode): the static speculative arguments of
+  ``rollout`` (all None for plain decoding)."""
+  if drafter is None:
+    if spec is not None:
+      raise ValueError("spec was given without a drafter: pass drafter=sj.drafters.... to "
+                       "decode speculatively, or drop spec for plain decoding.")
+    return None, None, None
+  spec = spec or SpecConfig()
+  # With a greedy target only the argmax can be accepted: rank children instead of
+  # sampling them (still exact, and never worse).
+  draft_mode = "greedy" if sampling.greedy else spec.draft_mode
+  return drafter.bind(config), TreeTopology.from_spec(spec), draft_mode
 
 
 def _to_output(final: DecodeState, seconds: float, drafter: Drafter | None = None
@@ -354,7 +451,7 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
     counters["drafted_per_position"] = jnp.zeros((topology.depth,), jnp.int32)
     drafter_state = drafter.init_state(layout.num_slots)
   k_pages, v_pages = init_pages(layer_shapes, layout.num_pages, layout.page_size,
-                                jnp.dtype(config.dtype))
+                                jnp.dtype(layout.kv_dtype))
   n = layout.num_slots
   attention = resolve_attention(layout.attention)
   kv = PagedKV(k_pages=k_pages, v_pages=v_pages,
@@ -486,6 +583,22 @@ def _tail(state: DecodeState, num_requests: int) -> tuple[jax.Array, jax.Array]:
                           jnp.where(admitted_N, budget, 0))
   return remaining_N, waiting > jnp.sum(free_N)
 
+
+def _sharded_rollout(graphdef, params, drafter_params, rng, tokens_SxUxT, lengths_SxU,
+                     prompt_of_request_SxR, last_request_SxU, *, mesh: Mesh, **static
+                     ) -> DecodeState:
+  """``rollout`` on every batch shard of ``mesh`` (its own rng stream), the final
+  states stacked on a leading shard axis, without pages and token history."""
+  def one_shard(params, drafter_params, rng, *inputs):
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(sharded.BATCH_AXES))
+    final = rollout(graphdef, params, drafter_params, *inputs, rng, **static)
+    return final.replace(kv=None, history_NxC=None)
+  return sharded.per_shard(one_shard, mesh, num_replicated=3)(
+      params, drafter_params, rng, tokens_SxUxT, lengths_SxU, prompt_of_request_SxR,
+      last_request_SxU)
+
+
+_generate_sharded = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))
 
 _continue_and_report = jax.jit(_continue_reporting,
                                static_argnames=_STATIC + ("max_pending",),
