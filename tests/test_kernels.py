@@ -1,6 +1,7 @@
 """The Pallas paged-attention kernels compute exactly what the pure-JAX reference does.
 
-Both kernels (GPU/Triton and TPU/Mosaic) run in interpret mode on CPU on the cases
+Both kernels (GPU/Triton and TPU/Mosaic) run in interpret mode (and, on a GPU or TPU
+backend, the backend's kernel also compiled) on the cases
 decoding meets: one query token, a chain or a tree of drafts (with the scratch keys of
 shallower tree levels before the call's own), grouped query heads, page sizes 16 and
 64, float32 and bfloat16, and in every case a ragged batch with an empty prefix, a
@@ -37,6 +38,11 @@ PAGE_TABLE = np.array([[7, 3, 10, TRASH_PAGE],
                        [7, 5, TRASH_PAGE, TRASH_PAGE],
                        [2, 11, 4, 9]], np.int32)
 KERNELS = {"gpu": paged_attention_gpu_interpret, "tpu": paged_attention_tpu_interpret}
+# On an accelerator the same cases also run the kernel compiled for it.
+if jax.default_backend() == "gpu":
+  KERNELS["gpu_compiled"] = paged_attention_gpu
+elif jax.default_backend() == "tpu":
+  KERNELS["tpu_compiled"] = paged_attention_tpu
 
 
 def causal_mask(q_len):
