@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams, check, is_integer, normalise_numbers
+from specrl_jax.kernels.dispatch import ATTENTION_CHOICES
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import PagedKV, page_size_of
 from specrl_jax.kv.pool import TRASH_PAGE, PagePool
@@ -43,6 +44,9 @@ class EngineConfig:
     ``sampling.programs.BUCKETS`` (1, 2, 3, 4, 6, 8, 12, ...: at most 1.5x), so that calls
     of nearby sizes share one compiled program. The padding is never admitted and does
     not change any request's tokens; it costs at most that much more idle batch rows.
+  attention: "auto" (per backend: the Pallas kernels on GPU and TPU, the reference on
+    CPU), "reference" (the pure-JAX reference everywhere) or "pallas" (the kernels; on
+    CPU in interpret mode, slow); resolved when the engine builds its state.
   """
   num_slots: int = 0
   page_size: int = 16
@@ -51,6 +55,7 @@ class EngineConfig:
   prompt_bucket: int = 16
   kv_dtype: str | None = None
   bucket_shapes: bool = True
+  attention: str = "auto"
 
   def __post_init__(self):
     owner = "EngineConfig"
@@ -69,6 +74,8 @@ class EngineConfig:
     check(isinstance(self.bucket_shapes, bool), owner, "bucket_shapes", self.bucket_shapes,
           "True or False")
     normalise_numbers(self, ints=("num_slots", "page_size", "num_pages", "prompt_bucket"))
+    check(self.attention in ATTENTION_CHOICES, owner, "attention", self.attention,
+          f"one of {ATTENTION_CHOICES}")
 
 
 @flax.struct.dataclass

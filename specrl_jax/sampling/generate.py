@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from specrl_jax.config import SamplingParams, SpecConfig
+from specrl_jax.kernels.dispatch import resolve_attention
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
 from specrl_jax.models.transformer import Transformer
@@ -62,6 +63,7 @@ class _Layout:
   continuous: bool
   pages_always_enough: int
   kv_dtype: str = "float32"
+  attention: str = "auto"     # EngineConfig.attention, resolved in init_state
 
 
 def _group_prompts(prompts: list[list[int]]):
@@ -103,6 +105,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
     raise ValueError("controller was given but spec is not adaptive: pass "
                      "spec=sj.SpecConfig(..., adaptive=True) or drop controller.")
   graphdef, params = nnx.split(model)
+  engine = sharded.engine_for_mesh(engine, mesh)
   if mesh is not None and sharded.batch_shards(mesh) > 1:
     if adaptive:
       raise ValueError(
@@ -363,7 +366,7 @@ def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests:
                  num_pages=engine.num_pages or enough, max_pages_per_seq=max_pages,
                  max_new_tokens=sampling.max_new_tokens,
                  continuous=engine.continuous_batching, pages_always_enough=enough,
-                 kv_dtype=engine.kv_dtype or config.dtype)
+                 kv_dtype=engine.kv_dtype or config.dtype, attention=engine.attention)
 
 
 def speculation(config, sampling: SamplingParams, drafter=None, spec: SpecConfig | None = None):
@@ -429,7 +432,9 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
   k_pages, v_pages = init_pages(layer_shapes, layout.num_pages, layout.page_size,
                                 jnp.dtype(layout.kv_dtype))
   n = layout.num_slots
+  attention = resolve_attention(layout.attention)
   kv = PagedKV(k_pages=k_pages, v_pages=v_pages,
+               attention_fn=attention.decode, prefill_attention_fn=attention.prefill,
                page_table_BxM=jnp.zeros((n, layout.max_pages_per_seq), jnp.int32),
                prefix_lengths_B=jnp.zeros((n,), jnp.int32),
                new_mask_BxTxT=jnp.ones((n, 1, 1), bool),
