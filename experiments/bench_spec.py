@@ -13,7 +13,7 @@ tokens per sequence (verification) and one drafter step.
 
   python experiments/bench_spec.py [--size small|medium] [--batches 1 8 32]
       [--ks 1 2 3 4 5 6 7] [--samples 7] [--no-trees] [--no-ngram] [--no-adaptive]
-      [--learned] [--adaptive-warmup 6]
+      [--learned] [--adaptive-warmup 6] [--train-steps 200 150]
 """
 
 from __future__ import annotations
@@ -64,9 +64,13 @@ def main(argv=None) -> int:
                       help="untimed calls that warm an adaptive controller up")
   parser.add_argument("--learned", action="store_true",
                       help="also MTP and EAGLE-3 heads trained for the target (cached)")
+  parser.add_argument("--train-steps", type=int, nargs=2, metavar=("TARGET", "DRAFT"),
+                      default=(200, 150), help="SFT / distillation steps when the pair is "
+                      "not cached (fewer: a device's time budget, or a CPU dry run)")
   args = parser.parse_args(argv)
 
-  target, draft = spec_pair.load_or_train(size=args.size)
+  target, draft = spec_pair.load_or_train(size=args.size, target_steps=args.train_steps[0],
+                                          draft_steps=args.train_steps[1])
   sampling = sj.SamplingParams(temperature=args.temperature,
                                max_new_tokens=spec_pair.TASK.max_response_tokens,
                                stop_token_ids=(tokenizer.EOS_ID,))

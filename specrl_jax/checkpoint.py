@@ -101,6 +101,10 @@ class TrainCheckpointManager:
     abstract = abstract_with_shardings(target, shardings)
     return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
+  def delete(self, step: int) -> None:
+    """Removes the checkpoint of ``step``."""
+    self._manager.delete(int(step))
+
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()
 

@@ -8,7 +8,11 @@ experiment fails at construction rather than deep inside a jitted function.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
+
+import numpy as np
 
 
 class ConfigError(ValueError):
@@ -21,9 +25,30 @@ def check(condition: bool, owner: str, field: str, value: Any, allowed: str) -> 
     raise ConfigError(f"{owner}.{field}={value!r} is invalid: expected {allowed}.")
 
 
+def is_integer(value: Any) -> bool:
+  """A Python or numpy integer; bools are refused (True is not the number 1 here)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_finite_number(value: Any) -> bool:
+  """A finite real Python or numpy number that is not a bool."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+          and math.isfinite(value))
+
+
 def _positive_int(owner: str, name: str, value: Any) -> None:
-  check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        owner, name, value, "a positive integer")
+  check(is_integer(value) and value > 0, owner, name, value, "a positive integer")
+
+
+def normalise_numbers(config: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()
+                      ) -> None:
+  """Stores checked numpy scalars as Python ints and floats, so that a config hashes,
+  compares and prints the same whichever kind of number built it (configs are static
+  arguments of compiled programs)."""
+  for name in ints:
+    object.__setattr__(config, name, int(getattr(config, name)))
+  for name in floats:
+    object.__setattr__(config, name, float(getattr(config, name)))
 
 
 _DTYPES = ("float32", "bfloat16")
@@ -61,9 +86,10 @@ class ModelConfig:
           self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
     check(self.head_dim % 2 == 0, owner, "head_dim", self.head_dim,
           "an even number (rotary embeddings rotate pairs)")
-    check(float(self.rope_theta) > 0, owner, "rope_theta", self.rope_theta, "> 0")
-    check(0 < float(self.rms_norm_eps) < 1, owner, "rms_norm_eps", self.rms_norm_eps,
-          "in (0, 1)")
+    check(is_finite_number(self.rope_theta) and self.rope_theta > 0, owner, "rope_theta",
+          self.rope_theta, "a finite number > 0")
+    check(is_finite_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, owner,
+          "rms_norm_eps", self.rms_norm_eps, "a number in (0, 1)")
     check(self.param_dtype in _DTYPES, owner, "param_dtype", self.param_dtype,
           f"one of {_DTYPES}")
     check(self.dtype in _DTYPES, owner, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -71,6 +97,10 @@ class ModelConfig:
       check(len(self.rope_llama3_scaling) == 4 and self.rope_llama3_scaling[0] >= 1,
             owner, "rope_llama3_scaling", self.rope_llama3_scaling,
             "None or (factor>=1, low_freq_factor, high_freq_factor, original_max_positions)")
+    normalise_numbers(self, ints=("vocab_size", "hidden_size", "intermediate_size",
+                                  "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                  "max_position_embeddings"),
+                      floats=("rope_theta", "rms_norm_eps"))
 
   @property
   def num_groups(self) -> int:
@@ -143,20 +173,40 @@ class SamplingParams:
 
   def __post_init__(self):
     owner = "SamplingParams"
-    check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, owner,
-          "temperature", self.temperature, "a number >= 0 (0 means greedy)")
-    check(isinstance(self.top_k, int) and self.top_k >= 0, owner, "top_k", self.top_k,
+    check(is_finite_number(self.temperature) and self.temperature >= 0, owner,
+          "temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+    check(is_integer(self.top_k) and self.top_k >= 0, owner, "top_k", self.top_k,
           "an integer >= 0 (0 disables top-k)")
-    check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, owner, "top_p",
+    check(is_finite_number(self.top_p) and 0 < self.top_p <= 1, owner, "top_p",
           self.top_p, "a number in (0, 1] (1 disables top-p)")
     _positive_int(owner, "max_new_tokens", self.max_new_tokens)
     stops = self.stop_token_ids
-    check(isinstance(stops, tuple) and all(isinstance(t, int) and t >= 0 for t in stops),
+    check(isinstance(stops, tuple) and all(is_integer(t) and t >= 0 for t in stops),
           owner, "stop_token_ids", stops, "a tuple of non-negative token ids")
+    normalise_numbers(self, ints=("top_k", "max_new_tokens"), floats=("temperature", "top_p"))
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+
+# Static bounds on the draft shape. Verification and drafting are unrolled per depth and
+# per child inside the compiled round, so compile time grows with them (a tiny model on
+# a 2-core CPU: experiments/compile_bounds.py; see docs/drafters.md for the figures), and
+# acceptance saturates long before: k = 16 chains, 128-node trees already compile in tens
+# of seconds while real drafters accept 2-6 tokens a round.
+MAX_DRAFT_TOKENS = 16
+MAX_TREE_NODES = 128
+
+
+def tree_nodes(tree: tuple[int, ...]) -> int:
+  """Draft nodes of a static tree (root excluded): b1 + b1*b2 + ..."""
+  nodes, width = 0, 1
+  for branching in tree:
+    width *= branching
+    nodes += width
+  return nodes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,6 +215,8 @@ class SpecConfig:
 
   A chain of ``num_draft_tokens`` drafts, or a static ``tree`` giving the number of
   children per node at each depth, e.g. (3, 2, 1) = 3 + 6 + 6 draft nodes.
+  Bounds (what compiles in reasonable time, docs/drafters.md): num_draft_tokens and the
+  tree's depth at most MAX_DRAFT_TOKENS = 16, the tree's nodes at most MAX_TREE_NODES = 128.
   draft_mode "sample" draws drafts from the drafter's distribution q; "greedy" takes
   its top tokens (a point mass / top-b distinct children).
   adaptive: choose the chain length per batch of ``rounds_per_decision`` rounds, from 0
@@ -182,12 +234,22 @@ class SpecConfig:
   def __post_init__(self):
     owner = "SpecConfig"
     _positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
+    check(self.num_draft_tokens <= MAX_DRAFT_TOKENS, owner, "num_draft_tokens",
+          self.num_draft_tokens, f"at most {MAX_DRAFT_TOKENS} (each draft position is "
+          "unrolled into the compiled round: longer chains take minutes to compile and "
+          "are rarely accepted that far)")
     if self.tree is not None:
       check(isinstance(self.tree, tuple) and len(self.tree) > 0
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0
-                    for b in self.tree),
+            and all(is_integer(b) and b > 0 for b in self.tree),
             owner, "tree", self.tree,
             "None or a non-empty tuple of positive children counts per depth, e.g. (3, 2, 1)")
+      object.__setattr__(self, "tree", tuple(int(b) for b in self.tree))
+      check(len(self.tree) <= MAX_DRAFT_TOKENS, owner, "tree", self.tree,
+            f"a depth of at most {MAX_DRAFT_TOKENS}")
+      check(tree_nodes(self.tree) <= MAX_TREE_NODES, owner, "tree", self.tree,
+            f"at most {MAX_TREE_NODES} draft nodes (this one has {tree_nodes(self.tree)}: "
+            "every node is unrolled into the compiled round, so bigger trees take minutes "
+            "to compile)")
     check(self.draft_mode in ("sample", "greedy"), owner, "draft_mode", self.draft_mode,
           "'sample' or 'greedy'")
     check(isinstance(self.adaptive, bool), owner, "adaptive", self.adaptive, "True or False")
@@ -195,6 +257,7 @@ class SpecConfig:
           "None when adaptive=True (adaptive speculation chooses a chain length; a static "
           "tree has none to choose)")
     _positive_int(owner, "rounds_per_decision", self.rounds_per_decision)
+    normalise_numbers(self, ints=("num_draft_tokens", "rounds_per_decision"))
 
   @property
   def depth(self) -> int:

@@ -170,3 +170,14 @@ def test_bf16_greedy_speculation_equals_bf16_greedy_plain(bf16_target):
     speculative = generate(bf16_target, PROMPTS, sampling=GREEDY, engine=ENGINE,
                            drafter=draft, spec=spec)
     np.testing.assert_array_equal(speculative.tokens, plain.tokens)
+
+
+def test_tensor_parallel_meshes_attend_with_the_reference():
+  """The Pallas kernels have no rule for split KV heads: "auto" takes the reference on
+  a mesh with a tensor axis, and an explicit "pallas" is refused before compiling."""
+  mesh = mesh_of((1, 1, 2))
+  auto = engine_programs.sharded.engine_for_mesh(EngineConfig(), mesh)
+  assert auto.attention == "reference"
+  with pytest.raises(ValueError, match="attention='pallas' cannot run on mesh"):
+    generate(testing.peaked_random_model(TARGET, seed=0), PROMPTS, sampling=GREEDY,
+             mesh=mesh, engine=EngineConfig(attention="pallas"))

@@ -197,16 +197,29 @@ def test_full_cross_product_follows_the_exact_joint_distribution(cell, target, d
   check_cell(cell, target, drafter_zoo, prompt)
 
 
+# "pallas": prefill through jax.nn.dot_product_attention, verification through the paged
+# kernel, in interpret mode on CPU. That runs the kernel's (slot, KV head) grid one
+# program at a time, so this case drafts with the n-gram drafter (no attention of its
+# own) on 256 slots; the greedy identity test below runs a drafting model through it.
+BUDGET_CASES = {"reference": ("noisy_target", ENGINE),
+                "pallas": ("ngram", dataclasses.replace(ENGINE, num_slots=256,
+                                                        attention="pallas"))}
+
+
+@pytest.mark.parametrize("attention", BUDGET_CASES)
 def test_drafts_longer_than_the_remaining_budget_are_truncated_exactly(target, drafter_zoo,
-                                                                       prompt):
+                                                                       prompt, attention):
   # Two new tokens, five drafts per round: the round must stop at the budget without
   # changing the distribution of what it emits.
+  drafter, engine = BUDGET_CASES[attention]
   sampling = SamplingParams(temperature=1.0, max_new_tokens=2)
   prompts = [prompt] * NUM_SAMPLES
   out = generate(target, prompts, sampling=sampling, rng=jax.random.key(1),
-                 drafter=drafter_zoo["noisy_target"], spec=SpecConfig(num_draft_tokens=5),
-                 engine=ENGINE)
+                 drafter=drafter_zoo[drafter], spec=SpecConfig(num_draft_tokens=5),
+                 engine=engine)
   assert (out.lengths == 2).all()
+  # Drafts were accepted and rejected: verification's attention decided both.
+  assert 0 < out.stats["per_position_acceptance"][0] < 1
   exact = testing.enumerate_sequence_distribution(target, prompt, sampling, 2)
   testing.assert_joint_matches(out.tokens, out.lengths, exact)
   np.testing.assert_allclose(
@@ -293,6 +306,22 @@ def test_the_target_drafting_for_itself_accepts_everything_and_stops_inside_runs
   stop_positions = out.lengths[out.tokens[np.arange(len(out.tokens)), out.lengths - 1]
                                == greedy_stop_token] - 1
   assert any(p % (GREEDY_K + 1) != 0 for p in stop_positions)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(num_draft_tokens=3), SpecConfig(tree=(2, 2, 1))],
+                         ids=["chain3", "tree221"])
+def test_with_the_pallas_kernel_greedy_speculation_is_token_identical(
+    target, drafter_zoo, greedy_plain, greedy_stop_token, spec):
+  # The tree's drafting attends to scratch keys of shallower levels: the kernel takes
+  # those too. Page size 16: each sequence's prefix ends mid-page, then crosses one.
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=GREEDY_MAX_NEW,
+                            stop_token_ids=(greedy_stop_token,))
+  engine = dataclasses.replace(GREEDY_ENGINE, page_size=16, attention="pallas")
+  out = generate(target, GREEDY_PROMPTS, sampling=sampling, drafter=drafter_zoo["small_model"],
+                 spec=spec, engine=engine)
+  np.testing.assert_array_equal(out.tokens, greedy_plain.tokens)
+  np.testing.assert_array_equal(out.lengths, greedy_plain.lengths)
+  np.testing.assert_allclose(out.logprobs, greedy_plain.logprobs, atol=1e-5)
 
 
 def test_greedy_drafts_longer_than_the_budget_match_plain_greedy(target, drafter_zoo,

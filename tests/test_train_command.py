@@ -167,6 +167,6 @@ def test_a_non_finite_loss_names_the_step_and_the_kept_checkpoint(tmp_path):
   metrics = {"rewards_finite": True, "reward_mean": 0.5, "loss": float("nan"),
              "grad_norm": 1.0, "pool_exhausted": False}
   with pytest.raises(train_command.TrainingDivergedError,
-                     match=r"step 7: non-finite loss=nan; the update was not checkpointed "
+                     match=r"step 7: non-finite loss=nan; the update was not kept or checkpointed "
                            r"and the last good checkpoint \(step 6\) is kept"):
     session._check(7, metrics, 6)

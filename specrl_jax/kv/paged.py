@@ -176,6 +176,10 @@ class PagedKV:
   stash: bool = flax.struct.field(pytree_node=False, default=False)
   attention_fn: AttentionFn = flax.struct.field(pytree_node=False,
                                                 default=paged_attention_reference)
+  # What a prefill call (empty prefixes, causal new-token masks) attends with instead;
+  # None: attention_fn.
+  prefill_attention_fn: AttentionFn | None = flax.struct.field(pytree_node=False,
+                                                               default=None)
 
   def attend(self, layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD):
     k_visible, v_visible = k_BxTxKxD, v_BxTxKxD

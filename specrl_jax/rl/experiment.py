@@ -13,7 +13,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, check
+from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, check, is_finite_number
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.learner import LearnerConfig
 from specrl_jax.rl.losses import GRPOConfig
@@ -23,6 +23,17 @@ from specrl_jax.rl.tasks import TASKS, Task, make_task
 def _positive(owner, name, value):
   check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner, name,
         value, "a positive integer")
+
+
+def _non_negative(owner, name, value, allowed="an integer >= 0"):
+  check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, owner, name,
+        value, allowed)
+
+
+def _number(owner, name, value, ok, allowed):
+  """A finite number for which ``ok`` holds (every float field is checked so: an
+  infinite learning rate trains NaN weights, an infinite cap caps nothing)."""
+  check(is_finite_number(value) and ok(value), owner, name, value, f"a finite number {allowed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,6 +46,10 @@ class ModelSection:
   num_kv_heads: int = 2
   head_dim: int = 32
   seed: int = 0
+
+  def __post_init__(self):
+    _non_negative("ModelSection", "seed", self.seed)
+    self.model_config()  # its own checks name the bad size
 
   def model_config(self) -> ModelConfig:
     return ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=self.hidden_size,
@@ -66,7 +81,11 @@ class DrafterSection:
     owner = "DrafterSection"
     check(self.kind in DRAFTER_KINDS, owner, "kind", self.kind, f"one of {DRAFTER_KINDS}")
     _positive(owner, "num_draft_tokens", self.num_draft_tokens)
-    check(self.loss_weight >= 0, owner, "loss_weight", self.loss_weight, ">= 0")
+    _number(owner, "loss_weight", self.loss_weight, lambda v: v >= 0, ">= 0")
+    check(isinstance(self.online, bool), owner, "online", self.online, "True or False")
+    _positive(owner, "ngram_n", self.ngram_n)
+    if self.kind == "draft_model":
+      self.model.model_config()
 
   @property
   def model(self) -> ModelSection:
@@ -90,6 +109,8 @@ class TaskSection:
   def __post_init__(self):
     check(self.name in TASKS, "TaskSection", "name", self.name, f"one of {sorted(TASKS)}")
     _positive("TaskSection", "num_prompts", self.num_prompts)
+    _non_negative("TaskSection", "seed", self.seed)
+    self.make()  # the task checks its own options
 
   def make(self) -> Task:
     options = {"arithmetic": dict(min_digits=self.min_digits, max_digits=self.max_digits),
@@ -108,10 +129,13 @@ class WarmStartSection:
   distill_learning_rate: float = 3e-3
 
   def __post_init__(self):
+    owner = "WarmStartSection"
     for name in ("sft_steps", "distill_steps"):
-      value = getattr(self, name)
-      check(isinstance(value, int) and value >= 0, "WarmStartSection", name, value,
-            "an integer >= 0")
+      _non_negative(owner, name, getattr(self, name))
+    _positive(owner, "sft_batch_size", self.sft_batch_size)
+    for name in ("sft_learning_rate", "distill_learning_rate"):
+      _number(owner, name, getattr(self, name), lambda v: v > 0, "> 0")
+    _number(owner, "sft_noise", self.sft_noise, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 RL_MODES = ("sync", "async")
@@ -151,8 +175,13 @@ class RLSection:
           self.num_slots, "an integer >= 0 (0 = one slot per sample)")
     check(isinstance(self.max_policy_lag, int) and self.max_policy_lag >= 0, owner,
           "max_policy_lag", self.max_policy_lag, "an integer >= 0")
-    check(self.temperature > 0, owner, "temperature", self.temperature,
-          "> 0 (GRPO needs sampled rollouts)")
+    _number(owner, "temperature", self.temperature, lambda v: v > 0,
+            "> 0 (GRPO needs sampled rollouts)")
+    _number(owner, "learning_rate", self.learning_rate, lambda v: v >= 0, ">= 0")
+    _number(owner, "clip_eps_high", self.clip_eps_high, lambda v: v >= 0, ">= 0")
+    _number(owner, "tis_cap", self.tis_cap, lambda v: v > 0, "> 0")
+    _non_negative(owner, "warmup_steps", self.warmup_steps)
+    _non_negative(owner, "seed", self.seed)
     check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
           and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.mesh),
           owner, "mesh", self.mesh, "three positive sizes (data, fsdp, tensor)")
@@ -164,6 +193,7 @@ class RLSection:
       for name in ("rollout_devices", "train_devices"):
         check(getattr(self, name) % tensor == 0, owner, name, getattr(self, name),
               f"a multiple of the tensor size {tensor} of RLSection.mesh")
+    self.learner(1)  # the learner's own checks, now rather than after the warm start
 
   def learner(self, max_new_tokens: int) -> LearnerConfig:
     sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,
@@ -175,7 +205,12 @@ class RLSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputSection:
-  """Where a run writes: metrics.jsonl, TensorBoard events, checkpoints/, plots."""
+  """Where a run writes: metrics.jsonl, TensorBoard events, checkpoints/, plots.
+
+  keep_checkpoints: the newest this many are kept (at least 1: the one resume uses).
+  collapse_window: steps in a row of zero gradient norm and constant reward after
+    which the ``collapse_warning`` metric turns on and the console says so once.
+  """
   directory: str = "runs/train"
   checkpoint_every: int = 10
   keep_checkpoints: int = 3
@@ -183,10 +218,21 @@ class OutputSection:
   tensorboard: bool = True
   plots: bool = True
   progress: bool = True
+  collapse_window: int = 5
 
   def __post_init__(self):
-    check(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0, "OutputSection",
-          "checkpoint_every", self.checkpoint_every, "an integer >= 0 (0 = only at the end)")
+    owner = "OutputSection"
+    check(isinstance(self.directory, str) and self.directory.strip() != "", owner,
+          "directory", self.directory, "a non-empty path")
+    _non_negative(owner, "checkpoint_every", self.checkpoint_every,
+                  "an integer >= 0 (0 = only at the end)")
+    _positive(owner, "keep_checkpoints", self.keep_checkpoints)
+    for name in ("resume", "tensorboard", "plots", "progress"):
+      check(isinstance(getattr(self, name), bool), owner, name, getattr(self, name),
+            "True or False")
+    _non_negative(owner, "collapse_window", self.collapse_window,
+                  "an integer >= 0 (steps of zero gradient and constant reward before a "
+                  "collapse warning; 0 = never warn)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

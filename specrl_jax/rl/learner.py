@@ -4,7 +4,10 @@ The policy is a ``specrl_jax.Transformer`` split with ``nnx.split`` into a stati
 graphdef and a parameter state; everything that changes during training lives in one
 ``TrainState`` pytree, sharded over a ("data", "fsdp", "tensor") mesh by the rules in
 ``specrl_jax.parallel``. ``make_train_step`` compiles one update with explicit in/out
-shardings, the state donated, and micro-batches accumulated with ``lax.scan``.
+shardings, the state donated, and micro-batches accumulated with ``lax.scan``. An
+update that would make any weight or optimizer moment non-finite is not kept
+(``rl.numerics``): the step returns its input state and says so in its metrics. The
+optimizer and its config live in ``rl.optimizer``.
 
 An optional drafter (EAGLE-3 / MTP heads trained online) rides along: its params and
 optimizer state sit in the train state, and its loss reads the policy forward's
@@ -24,135 +27,23 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specrl_jax.config import SamplingParams, check
+from specrl_jax.config import check
 from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.parallel.mesh import BATCH_AXES, batch_sharding, data_parallel_size, replicated
 from specrl_jax.parallel.rules import TRANSFORMER_RULES, PartitionRules, named_shardings
 from specrl_jax.rl.logprobs import token_log_probs
 from specrl_jax.rl.losses import (
-    GRPOConfig, aggregation_weights, combine_metrics, grpo_loss, valid_token_weights,
+    aggregation_weights, combine_metrics, grpo_loss, valid_token_weights,
+)
+from specrl_jax.rl.numerics import keep_if_finite
+from specrl_jax.rl.optimizer import (  # noqa: F401  (re-exported: the learner's config)
+    SCHEDULES, LearnerConfig, drafter_peak, learning_rate_schedule, make_optimizer,
+    non_negative_int,
 )
 
 Array = jax.Array
-Schedule = Callable[[Array], Array]
 
 
-# ----------------------------------------------------------------------------- config
-
-def _constant(config: "LearnerConfig", peak: float) -> Schedule:
-  del config
-  return optax.constant_schedule(peak)
-
-
-def _linear(config: "LearnerConfig", peak: float) -> Schedule:
-  return optax.linear_schedule(peak, peak * config.final_learning_rate_ratio,
-                               config.decay_steps)
-
-
-def _cosine(config: "LearnerConfig", peak: float) -> Schedule:
-  return optax.cosine_decay_schedule(peak, config.decay_steps,
-                                     alpha=config.final_learning_rate_ratio)
-
-
-# Decay shapes after warmup, by name: peak -> peak * final_learning_rate_ratio over
-# decay_steps, then held.
-SCHEDULES: dict[str, Callable[["LearnerConfig", float], Schedule]] = {
-    "constant": _constant,
-    "linear": _linear,
-    "cosine": _cosine,
-}
-
-
-def _non_negative_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LearnerConfig:
-  """Optimizer, schedule, micro-batching and the loss of the GRPO learner.
-
-  sampling: the rollout's SamplingParams; the trainer's log-probs use the same warp
-    so the ratio compares like with like.
-  num_micro_batches: the per-replica batch is processed in this many sequential
-    slices with gradients accumulated (memory, not math: the result is the same).
-  max_grad_norm: global-norm clipping threshold, None to disable.
-  drafter_learning_rate: peak learning rate of the drafter's optimizer (None: the
-    policy's); the drafter shares schedule shape, Adam and clipping settings.
-  """
-
-  learning_rate: float = 1e-6
-  schedule: str = "cosine"
-  warmup_steps: int = 0
-  decay_steps: int = 1000
-  final_learning_rate_ratio: float = 0.1
-  weight_decay: float = 0.0
-  adam_b1: float = 0.9
-  adam_b2: float = 0.999
-  adam_eps: float = 1e-8
-  max_grad_norm: float | None = 1.0
-  num_micro_batches: int = 1
-  loss: GRPOConfig = GRPOConfig()
-  sampling: SamplingParams = SamplingParams()
-  drafter_learning_rate: float | None = None
-
-  def __post_init__(self):
-    owner = "LearnerConfig"
-    check(isinstance(self.learning_rate, (int, float)) and self.learning_rate >= 0, owner,
-          "learning_rate", self.learning_rate, "a number >= 0")
-    check(self.schedule in SCHEDULES, owner, "schedule", self.schedule,
-          f"one of {sorted(SCHEDULES)}")
-    check(_non_negative_int(self.warmup_steps), owner, "warmup_steps", self.warmup_steps,
-          "an integer >= 0")
-    check(_non_negative_int(self.decay_steps) and self.decay_steps > 0, owner,
-          "decay_steps", self.decay_steps, "a positive integer")
-    check(0 <= self.final_learning_rate_ratio <= 1, owner, "final_learning_rate_ratio",
-          self.final_learning_rate_ratio, "a number in [0, 1]")
-    check(self.weight_decay >= 0, owner, "weight_decay", self.weight_decay, ">= 0")
-    check(0 <= self.adam_b1 < 1, owner, "adam_b1", self.adam_b1, "a number in [0, 1)")
-    check(0 <= self.adam_b2 < 1, owner, "adam_b2", self.adam_b2, "a number in [0, 1)")
-    check(self.adam_eps > 0, owner, "adam_eps", self.adam_eps, "> 0")
-    check(self.max_grad_norm is None or self.max_grad_norm > 0, owner, "max_grad_norm",
-          self.max_grad_norm, "None (no clipping) or > 0")
-    check(_non_negative_int(self.num_micro_batches) and self.num_micro_batches > 0, owner,
-          "num_micro_batches", self.num_micro_batches, "a positive integer")
-    check(isinstance(self.loss, GRPOConfig), owner, "loss", self.loss, "a GRPOConfig")
-    check(isinstance(self.sampling, SamplingParams) and not self.sampling.greedy, owner,
-          "sampling", self.sampling,
-          "SamplingParams with temperature > 0 (greedy log-probs have no gradient)")
-    check(self.drafter_learning_rate is None or self.drafter_learning_rate >= 0, owner,
-          "drafter_learning_rate", self.drafter_learning_rate, "None or a number >= 0")
-
-
-def learning_rate_schedule(config: LearnerConfig, peak: float | None = None) -> Schedule:
-  """Linear warmup from 0 over warmup_steps, then the configured decay from ``peak``."""
-  peak = config.learning_rate if peak is None else peak
-  decay = SCHEDULES[config.schedule](config, peak)
-  if config.warmup_steps == 0:
-    return decay
-  warmup = optax.linear_schedule(0.0, peak, config.warmup_steps)
-  return optax.join_schedules([warmup, decay], [config.warmup_steps])
-
-
-def _decays(params):
-  # Weight decay on matrices only: shrinking norm scales toward 0 is not regularisation.
-  return jax.tree.map(lambda x: x.ndim > 1, params)
-
-
-def make_optimizer(config: LearnerConfig, peak: float | None = None
-                   ) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on the warmup/decay schedule."""
-  adamw = optax.adamw(learning_rate_schedule(config, peak), b1=config.adam_b1,
-                      b2=config.adam_b2, eps=config.adam_eps,
-                      weight_decay=config.weight_decay, mask=_decays)
-  if config.max_grad_norm is None:
-    return adamw
-  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
-
-
-def _drafter_peak(config: LearnerConfig) -> float:
-  if config.drafter_learning_rate is None:
-    return config.learning_rate
-  return config.drafter_learning_rate
 
 
 # ----------------------------------------------------------------------------- state
@@ -220,7 +111,7 @@ class DrafterObjective:
     check(callable(self.loss_fn), owner, "loss_fn", self.loss_fn,
           "a function (drafter_params, ForwardOutput, Batch) -> (loss, metrics)")
     check(isinstance(self.hidden_layers, tuple)
-          and all(_non_negative_int(i) for i in self.hidden_layers),
+          and all(non_negative_int(i) for i in self.hidden_layers),
           owner, "hidden_layers", self.hidden_layers, "a tuple of layer indices >= 0")
     check(self.loss_weight >= 0, owner, "loss_weight", self.loss_weight, ">= 0")
 
@@ -237,7 +128,7 @@ def _state_builder(params, config: LearnerConfig, *, rng: Array, with_reference:
   if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
     rng = jax.random.key_data(rng)
   policy_tx = make_optimizer(config)
-  drafter_tx = make_optimizer(config, _drafter_peak(config))
+  drafter_tx = make_optimizer(config, drafter_peak(config))
 
   def build(params_in, drafter_in, rng_in):
     policy = params() if callable(params) else params_in
@@ -408,12 +299,13 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
 
   ``state`` (concrete or ``jax.eval_shape``-abstract) fixes the train-state structure,
   e.g. whether reference and drafter slots are filled. ``drafter`` must be given
-  exactly when the state holds drafter params.
+  exactly when the state holds drafter params. Metrics include ``update_finite`` and
+  ``nonfinite_leaf`` (``rl.numerics.leaf_name`` names it; -1 when all are finite).
   """
   check((drafter is None) == (state.drafter_params is None), "make_train_step",
         "drafter", drafter, "a DrafterObjective exactly when the state has drafter_params")
   policy_tx = make_optimizer(config)
-  drafter_tx = make_optimizer(config, _drafter_peak(config))
+  drafter_tx = make_optimizer(config, drafter_peak(config))
   schedule = learning_rate_schedule(config)
   state_shardings = train_state_shardings(state, mesh, rules)
   loss_fn = _policy_and_drafter_loss(graphdef, config, mesh, drafter)
@@ -456,7 +348,8 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
       new_state = new_state.replace(
           drafter_params=optax.apply_updates(state.drafter_params, updates),
           drafter_opt_state=drafter_opt_state)
-    return new_state, metrics
+    new_state, guard_metrics = keep_if_finite(new_state, state)
+    return new_state, dict(metrics, **guard_metrics)
 
   jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding(mesh)),
                    out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)

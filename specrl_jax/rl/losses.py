@@ -15,7 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from specrl_jax.config import ConfigError, check
+from specrl_jax.config import ConfigError, check, is_finite_number
 
 Array = jax.Array
 
@@ -84,20 +84,20 @@ class GRPOConfig:
 
   def __post_init__(self):
     owner = "GRPOConfig"
-    check(isinstance(self.clip_eps_low, (int, float)) and 0 <= self.clip_eps_low < 1,
+    check(is_finite_number(self.clip_eps_low) and 0 <= self.clip_eps_low < 1,
           owner, "clip_eps_low", self.clip_eps_low, "a number in [0, 1)")
-    check(isinstance(self.clip_eps_high, (int, float)) and self.clip_eps_high >= 0,
-          owner, "clip_eps_high", self.clip_eps_high, "a number >= 0")
-    check(isinstance(self.beta, (int, float)) and self.beta >= 0, owner, "beta",
-          self.beta, "a number >= 0 (0 disables the KL term)")
+    check(is_finite_number(self.clip_eps_high) and self.clip_eps_high >= 0,
+          owner, "clip_eps_high", self.clip_eps_high, "a finite number >= 0")
+    check(is_finite_number(self.beta) and self.beta >= 0, owner, "beta",
+          self.beta, "a finite number >= 0 (0 disables the KL term)")
     check(self.aggregation in AGGREGATIONS, owner, "aggregation", self.aggregation,
           f"one of {sorted(AGGREGATIONS)}")
     length = self.max_response_length
     check(length is None or (isinstance(length, int) and not isinstance(length, bool)
                              and length > 0),
           owner, "max_response_length", length, "None or a positive integer")
-    check(self.tis_cap is None or (isinstance(self.tis_cap, (int, float)) and self.tis_cap > 0),
-          owner, "tis_cap", self.tis_cap, "None (no correction) or a number > 0")
+    check(self.tis_cap is None or (is_finite_number(self.tis_cap) and self.tis_cap > 0),
+          owner, "tis_cap", self.tis_cap, "None (no correction) or a finite number > 0")
 
 
 def aggregation_weights(mask_BxT: Array, config: GRPOConfig) -> Array:

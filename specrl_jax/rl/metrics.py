@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 JSONL = "metrics.jsonl"
 
 
@@ -117,3 +119,29 @@ def plot_run(records: Sequence[Mapping[str, Any]], directory: str | os.PathLike,
     plt.close(figure)
     paths.append(path)
   return paths
+
+
+def with_rates(metrics: dict[str, Any], samples_per_step: int) -> dict[str, Any]:
+  """``metrics`` with samples and generated tokens per second of the step."""
+  seconds = metrics["step_seconds"]
+  return dict(metrics, samples_per_second=samples_per_step / seconds,
+              tokens_per_second=metrics["generated_tokens"] / seconds)
+
+
+def summarize(records: list[dict[str, Any]], plots: Sequence[str]) -> dict[str, Any]:
+  """First/last reward (means over the first and last quarter of steps) and more."""
+  if not records:
+    return {"steps": 0, "plots": list(plots)}
+  quarter = max(1, len(records) // 4)
+  mean = lambda rs, key: float(np.mean([r[key] for r in rs]))
+  timed = records[1:] or records  # the first step includes compilation
+  return {
+      "steps": len(records),
+      "reward_first_quarter": mean(records[:quarter], "reward_mean"),
+      "reward_last_quarter": mean(records[-quarter:], "reward_mean"),
+      "acceptance_length": mean(records, "acceptance_length"),
+      "response_length": mean(records, "response_length_mean"),
+      "step_seconds": mean(timed, "step_seconds"),
+      "samples_per_second": mean(timed, "samples_per_second"),
+      "plots": list(plots),
+  }

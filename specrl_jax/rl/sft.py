@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specrl_jax.config import check
+from specrl_jax.config import check, is_finite_number
 from specrl_jax.models import tokenizer
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.rl.tasks.base import Problem, Task
@@ -47,9 +47,13 @@ class SFTConfig:
     for name in ("steps", "batch_size"):
       value = getattr(self, name)
       check(isinstance(value, int) and value > 0, owner, name, value, "a positive integer")
-    check(self.learning_rate > 0, owner, "learning_rate", self.learning_rate, "> 0")
-    check(self.weight_decay >= 0, owner, "weight_decay", self.weight_decay, ">= 0")
-    check(0 <= self.noise <= 1, owner, "noise", self.noise, "a fraction in [0, 1]")
+    finite = lambda name: is_finite_number(getattr(self, name))
+    check(finite("learning_rate") and self.learning_rate > 0, owner, "learning_rate",
+          self.learning_rate, "a finite number > 0")
+    check(finite("weight_decay") and self.weight_decay >= 0, owner, "weight_decay",
+          self.weight_decay, "a finite number >= 0")
+    check(finite("noise") and 0 <= self.noise <= 1, owner, "noise", self.noise,
+          "a fraction in [0, 1]")
 
 
 def with_digit_noise(problem: Problem, rng: np.random.Generator) -> Problem:
@@ -103,8 +107,10 @@ def train_sft(model: Transformer, task: Task, config: SFTConfig, *,
   With ``teacher``, the target is the teacher's next-token distribution (temperature
   1) on the same sequences: distillation of a drafter from the policy.
   """
+  warmup = max(1, config.steps // 10)
+  # At least one step of decay after the warmup: optax refuses an empty cosine (steps=1).
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, max(1, config.steps // 10), config.steps,
+      0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
       end_value=config.learning_rate * 0.1)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, weight_decay=config.weight_decay))

@@ -42,6 +42,7 @@ from specrl_jax.rl.learner import (
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.sampling.sharded import engine_for_mesh
 from specrl_jax.sampling.generate import (
     engine_layout, padded_width, rollout as engine_rollout, speculation,
 )
@@ -184,6 +185,7 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
         f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
         "groups)")
   local_prompts = rollout_config.prompts_per_step // shards
+  engine = engine_for_mesh(engine, mesh)
   width = padded_width(prompt_width, engine)
   # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
   bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)

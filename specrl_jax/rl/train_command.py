@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -32,51 +31,32 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.drafters import DraftModel, NGram
-from specrl_jax.models.transformer import Transformer
 from specrl_jax.parallel import distributed
-from specrl_jax.parallel.distributed import DistributedConfig, DistributedError
-from specrl_jax.parallel.mesh import make_mesh
-from specrl_jax.rl import sft
+from specrl_jax.parallel.distributed import DistributedError
+from specrl_jax.parallel.launch import DISTRIBUTED_FLAGS, parse_distributed_argv  # noqa: F401
+from specrl_jax.rl import numerics, run_directory
 from specrl_jax.rl.async_pipeline import AsyncPipeline, StalePolicyError
 from specrl_jax.rl.experiment import ExperimentConfig, PRESETS, experiment_config, to_dict
+from specrl_jax.rl.guards import CollapseDetector, TrainingDivergedError, check_step
 from specrl_jax.rl.learner import TrainState, abstract_train_state, init_train_state
-from specrl_jax.rl.metrics import MetricsWriter, plot_run, read_jsonl
+from specrl_jax.rl.metrics import MetricsWriter, plot_run, read_jsonl, summarize, with_rates
+from specrl_jax.rl.meshes import check_layout, checkpoint_mesh, run_meshes
 from specrl_jax.rl.online_drafters import OnlineDrafter, online_drafter
 from specrl_jax.rl.sync import (
     RLProgram, RolloutConfig, build_program, prompts_on_mesh, to_host,
 )
-from specrl_jax.rl.tasks import (
-    PromptSet, RewardFunctionError, Task, make_prompt_set, raise_pending_errors, step_indices,
-)
+from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
+from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.generate import PagePoolExhaustedError
 
-
-class TrainingDivergedError(RuntimeError):
-  """A step produced a non-finite loss or reward; its state was not checkpointed."""
-
-
-def _replicate_on_all_devices(model: nnx.Module) -> None:
-  """Replaces ``model``'s arrays by process 0's values replicated on every device of
-  every process (a multi-process job's shared copy)."""
-  state = multihost_utils.broadcast_one_to_all(jax.device_get(nnx.state(model)))
-  sharding = distributed.everywhere()
-  nnx.update(model, jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape), state))
-
-
-@dataclasses.dataclass
-class Models:
-  """The warm-started policy and (for the draft-model drafter) its draft model."""
-  policy: Transformer
-  draft: Transformer | None
+__all__ = ["Models", "Session", "TrainingDivergedError", "main", "parse_argv"]
 
 
 class Session:
@@ -107,63 +87,46 @@ class Session:
   def prompt_width(self) -> int:
     return int(self.prompt_set.tokens_PxT.shape[1])
 
+  @property
+  def record(self) -> dict[str, Any]:
+    """The configuration as it is written to config.json (JSON data)."""
+    return json.loads(json.dumps(to_dict(self.config)))
+
+  @property
+  def checkpoint_directory(self) -> str:
+    return os.path.join(self.directory, "checkpoints")
+
+  def checkpoint_steps(self) -> list[int]:
+    """The complete checkpoints on disk (orbax writes each under a temporary name
+    and renames it when complete)."""
+    folder = self.checkpoint_directory
+    if not os.path.isdir(folder):
+      return []
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+
+  def check_resumable(self) -> None:
+    """Refuses, before anything is touched, a config that may not continue the
+    checkpoints already in the directory (see ``run_directory.RESUMABLE``)."""
+    if self.config.output.resume:
+      run_directory.check_resumable(self.directory, self.checkpoint_steps(), self.record)
+
+  def check(self) -> None:
+    """Raises ConfigError now for what would otherwise fail after the warm start."""
+    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+      raise ConfigError(f"OutputSection.directory={self.directory!r} is invalid: expected a "
+                        "directory (or a path to create one at), not a file.")
+    check_layout(self.config.rl, *self.meshes())
+    self.check_resumable()
+
   def _fresh_models(self) -> Models:
-    c = self.config
-    policy = Transformer(c.policy.model_config(), rngs=nnx.Rngs(c.policy.seed))
-    draft = None
-    if c.drafter.kind == "draft_model":
-      draft = Transformer(c.drafter.model.model_config(), rngs=nnx.Rngs(c.drafter.model.seed))
-    return Models(policy=policy, draft=draft)
+    return fresh_models(self.config)
 
   def warm_start(self) -> Models:
-    """SFT the policy, distil the draft model; cached in <directory>/warm_start."""
-    models = self._fresh_models()
-    folder = os.path.abspath(os.path.join(self.directory, "warm_start"))
-    names = ["policy"] + (["draft"] if models.draft is not None else [])
-    multi = jax.process_count() > 1
-    cached = all(os.path.exists(os.path.join(folder, n)) for n in names)
-    if multi:  # process 0's view decides, so that every process takes the same branch
-      cached = bool(multihost_utils.broadcast_one_to_all(np.asarray(cached)))
-    if cached:
-      for name in names:
-        model = getattr(models, name)
-        # Several processes restore one global copy, replicated on every device.
-        shardings = (jax.tree.map(lambda _: distributed.everywhere(), nnx.state(model))
-                     if multi else None)
-        checkpoint.restore_model(os.path.join(folder, name), model, shardings=shardings)
-      self.log(f"warm start: loaded from {folder}")
-      return models
-    c = self.config.warm_start
-    started = time.perf_counter()
-    if c.sft_steps:
-      models.policy, losses = sft.train_sft(
-          models.policy, self.task,
-          sft.SFTConfig(steps=c.sft_steps, batch_size=c.sft_batch_size,
-                        learning_rate=c.sft_learning_rate, noise=c.sft_noise,
-                        seed=self.config.task.seed),
-          )
-      self.log(f"warm start: SFT {c.sft_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    if models.draft is not None and c.distill_steps:
-      models.draft, losses = sft.train_sft(
-          models.draft, self.task,
-          sft.SFTConfig(steps=c.distill_steps, batch_size=c.sft_batch_size,
-                        learning_rate=c.distill_learning_rate, seed=self.config.task.seed + 1),
-          teacher=models.policy)
-      self.log(f"warm start: drafter distilled {c.distill_steps} steps, soft CE "
-               f"{losses[0]:.3f} -> {losses[-1]:.3f}")
-    self.timings["warm_start_seconds"] = time.perf_counter() - started
-    if multi:
-      # Each process trained its own copy (on its first device); all continue from
-      # process 0's, bit for bit, as global arrays that orbax can write together.
-      for name in names:
-        _replicate_on_all_devices(getattr(models, name))
-    if distributed.is_primary() and os.path.exists(folder):
-      shutil.rmtree(folder)
-    if multi:
-      multihost_utils.sync_global_devices("specrl warm start folder cleared")
-    for name in names:
-      checkpoint.save_model(os.path.join(folder, name), getattr(models, name))
-    return models
+    """SFT the policy, distil the draft model; cached in <directory>/warm_start under
+    the configuration that made it (``rl.warm_start``)."""
+    self.check_resumable()
+    return warm_start(self.config, self.record, self.task, log=self.log,
+                      timings=self.timings)
 
   # ------------------------------------------------------------ RL pieces
 
@@ -182,32 +145,7 @@ class Session:
 
   def meshes(self):
     """(train mesh, rollout mesh or None for sync)."""
-    rl = self.config.rl
-    devices = jax.devices()
-    processes = jax.process_count()
-    if rl.mode == "sync":
-      size = math.prod(rl.mesh)
-      if size > len(devices):
-        raise ConfigError(f"RLSection.mesh={rl.mesh} needs {size} devices; {len(devices)} "
-                          "are available.")
-      if processes > 1 and size != len(devices):
-        raise ConfigError(f"RLSection.mesh={rl.mesh} has {size} devices but the {processes} "
-                          f"processes have {len(devices)}: a multi-process mesh must use "
-                          "every device (each process feeds its own).")
-      return make_mesh(rl.mesh, devices=devices[:size]), None
-    needed = rl.rollout_devices + rl.train_devices
-    if needed > len(devices):
-      raise ConfigError(f"async RL with rollout_devices={rl.rollout_devices} and train_devices="
-                        f"{rl.train_devices} needs {needed} devices; {len(devices)} are "
-                        "available (on CPU set JAX_NUM_CPU_DEVICES).")
-    # Async meshes take the tensor size of rl.mesh (checked by RLSection): the rollout
-    # and the train mesh each split heads that many ways and their batch the rest.
-    tensor = rl.mesh[2]
-    rollout = make_mesh((rl.rollout_devices // tensor, 1, tensor),
-                        devices=devices[:rl.rollout_devices])
-    train = make_mesh((rl.train_devices // tensor, 1, tensor),
-                      devices=devices[rl.rollout_devices:needed])
-    return train, rollout
+    return run_meshes(self.config.rl)
 
   def step_prompts(self, step: int, rows: slice = slice(None)):
     """The prompts of RL step ``step``; ``rows``: only these of them (a process's)."""
@@ -231,24 +169,39 @@ class Session:
                                 drafter_params=online.trainable if online else None)
 
   def checkpoint_mesh(self, train_mesh):
-    """The mesh checkpoints are written from and read onto: the train mesh, unless it
-    leaves some process out (orbax writes only arrays that span every process; an
-    async train mesh may sit on a few hosts), then an FSDP mesh over every device."""
-    processes = {device.process_index for device in train_mesh.devices.flat}
-    if len(processes) == jax.process_count():
-      return train_mesh
-    return make_mesh((1, jax.device_count(), 1))
+    return checkpoint_mesh(train_mesh)
 
   def restore_or_init(self, manager, models, online, mesh, checkpoint_mesh=None) -> TrainState:
+    """The latest finite checkpoint's state (resuming), else a fresh one. A checkpoint
+    holding a NaN or infinity (written before the finite-update guard existed) is
+    deleted with a warning and the one before it is tried."""
     checkpoint_mesh = mesh if checkpoint_mesh is None else checkpoint_mesh
-    if self.config.output.resume and manager.latest_step() is not None:
-      state = manager.restore(self._abstract_state(models, online, checkpoint_mesh))
-      if checkpoint_mesh is not mesh:
-        state = distributed.transfer(state, jax.tree.map(
-            lambda leaf: leaf.sharding, self._abstract_state(models, online, mesh)))
-      self.log(f"resumed from checkpoint step {manager.latest_step()} in {manager.directory}")
-      return state
-    return self.initial_state(models, online, mesh)
+    if not (self.config.output.resume and manager.all_steps()):
+      return self.initial_state(models, online, mesh)
+    abstract = self._abstract_state(models, online, checkpoint_mesh)
+    first_bad = jax.jit(numerics.first_nonfinite_leaf)
+    for step in reversed(manager.all_steps()):
+      try:
+        state = manager.restore(abstract, step=step)
+      except Exception as error:  # orbax raises whatever its reader hit
+        raise ConfigError(
+            f"checkpoint step {step} in {manager.directory} does not fit this "
+            f"configuration's train state ({type(error).__name__}: {str(error)[:300]}); "
+            "resume with the configuration that wrote it, or --output.resume=false."
+        ) from error
+      bad = int(distributed.fetch(first_bad(state)))
+      if bad < 0:
+        break
+      self.log(f"warning: checkpoint step {step} holds a non-finite "
+               f"{numerics.leaf_name(state, bad)}: deleted, trying the one before")
+      manager.delete(step)
+    else:
+      return self.initial_state(models, online, mesh)
+    if checkpoint_mesh is not mesh:
+      state = distributed.transfer(state, jax.tree.map(
+          lambda leaf: leaf.sharding, self._abstract_state(models, online, mesh)))
+    self.log(f"resumed from checkpoint step {step} in {manager.directory}")
+    return state
 
   # ------------------------------------------------------------ training
 
@@ -260,13 +213,11 @@ class Session:
     """
     config = self.config
     primary = distributed.is_primary()
+    self.check_resumable()
     os.makedirs(self.directory, exist_ok=True)
-    if primary:
-      with open(os.path.join(self.directory, "config.json"), "w") as file:
-        json.dump(to_dict(config), file, indent=2)
     drafter, online = self.drafter_for(models)
     train_mesh, rollout_mesh = self.meshes()
-    ckpt_dir = os.path.join(self.directory, "checkpoints")
+    ckpt_dir = self.checkpoint_directory
     if primary and not config.output.resume and os.path.exists(ckpt_dir):
       shutil.rmtree(ckpt_dir)
     if jax.process_count() > 1:
@@ -275,7 +226,13 @@ class Session:
                                                 max_to_keep=config.output.keep_checkpoints,
                                                 async_save=False)
     checkpoint_mesh = self.checkpoint_mesh(train_mesh)
-    state = self.restore_or_init(manager, models, online, train_mesh, checkpoint_mesh)
+    try:
+      state = self.restore_or_init(manager, models, online, train_mesh, checkpoint_mesh)
+    except BaseException:
+      manager.close()
+      raise
+    if primary:  # only now: the state it describes exists, restored or new
+      run_directory.write_json(os.path.join(self.directory, run_directory.CONFIG), self.record)
     to_save = lambda state: state
     if checkpoint_mesh is not train_mesh:
       checkpoint_layout = jax.tree.map(lambda leaf: leaf.sharding,
@@ -315,11 +272,21 @@ class Session:
             state, first_update=start, num_updates=len(steps),
             prompts_of=self.step_prompts, rng_of=self.step_rng))
       last_saved = manager.latest_step()
+      collapse = CollapseDetector(config.output.collapse_window)
+      if writer is not None:  # the steps kept from before a resume count too
+        for record in read_jsonl(writer.path):
+          collapse.update(record)
       for step, state, metrics in records:
-        metrics = _with_rates(metrics, self.rollout_config)
+        metrics = with_rates(metrics, self.rollout_config.group_size
+                             * self.rollout_config.prompts_per_step)
+        metrics.update(collapse.update(metrics))
+        if metrics["collapse_warning"] and collapse.run == collapse.window:
+          self.log(f"warning: step {step}: zero gradient norm and constant reward "
+                   f"{metrics['reward_mean']} for {collapse.run} steps: the run has no "
+                   "learning signal left (collapsed, or every sample scores the same)")
         if writer is not None:
           writer.write(step, metrics)
-        self._check(step, metrics, last_saved)
+        self._check(step, metrics, last_saved, state)
         if progress is not None:
           progress.update(1)
           progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
@@ -361,52 +328,13 @@ class Session:
       metrics["step_seconds"] = time.perf_counter() - started
       yield step, state, metrics
 
-  def _check(self, step: int, metrics: dict[str, Any], last_saved: int | None) -> None:
+  def _check(self, step: int, metrics: dict[str, Any], last_saved: int | None,
+             state: Any = None) -> None:
     kept = (f"the last good checkpoint (step {last_saved}) is kept in "
-            f"{os.path.join(self.directory, 'checkpoints')}" if last_saved is not None else
+            f"{self.checkpoint_directory}" if last_saved is not None else
             "no checkpoint had been written yet")
-    try:
-      raise_pending_errors()
-    except RewardFunctionError as error:
-      raise RewardFunctionError(f"step {step}: {error}; {kept}.") from error.__cause__
-    if not metrics["rewards_finite"]:
-      raise TrainingDivergedError(f"step {step}: the task's rewards are NaN or infinite "
-                                  f"(reward_mean={metrics['reward_mean']}); {kept}.")
-    bad = [name for name in ("loss", "grad_norm") if not math.isfinite(metrics[name])]
-    if bad:
-      raise TrainingDivergedError(
-          f"step {step}: non-finite {', '.join(f'{n}={metrics[n]}' for n in bad)}; the "
-          f"update was not checkpointed and {kept}.")
-    if metrics["pool_exhausted"]:
-      raise PagePoolExhaustedError(f"step {step}: the rollout's KV page pool ran out; raise "
-                                   f"the engine's num_pages or lower num_slots; {kept}.")
-
-
-def _with_rates(metrics: dict[str, Any], rollout_config: RolloutConfig) -> dict[str, Any]:
-  seconds = metrics["step_seconds"]
-  return dict(metrics,
-              samples_per_second=rollout_config.group_size * rollout_config.prompts_per_step
-              / seconds,
-              tokens_per_second=metrics["generated_tokens"] / seconds)
-
-
-def summarize(records: list[dict[str, Any]], plots: Sequence[str]) -> dict[str, Any]:
-  """First/last reward (means over the first and last quarter of steps) and more."""
-  if not records:
-    return {"steps": 0, "plots": list(plots)}
-  quarter = max(1, len(records) // 4)
-  mean = lambda rs, key: float(np.mean([r[key] for r in rs]))
-  timed = records[1:] or records  # the first step includes compilation
-  return {
-      "steps": len(records),
-      "reward_first_quarter": mean(records[:quarter], "reward_mean"),
-      "reward_last_quarter": mean(records[-quarter:], "reward_mean"),
-      "acceptance_length": mean(records, "acceptance_length"),
-      "response_length": mean(records, "response_length_mean"),
-      "step_seconds": mean(timed, "step_seconds"),
-      "samples_per_second": mean(timed, "samples_per_second"),
-      "plots": list(plots),
-  }
+    check_step(step, metrics, kept=kept,
+               leaf_name_of=lambda index: numerics.leaf_name(state, index))
 
 
 def parse_argv(argv: Sequence[str]) -> ExperimentConfig:
@@ -421,57 +349,6 @@ def parse_argv(argv: Sequence[str]) -> ExperimentConfig:
     return config
   return dataclasses.replace(config, output=dataclasses.replace(config.output,
                                                                 directory="runs/train"))
-
-
-# --flag VALUE / --flag=VALUE options of the multi-process launch -> DistributedConfig
-# fields (integers, except the coordinator's HOST:PORT).
-DISTRIBUTED_FLAGS = {
-    "--coordinator": "coordinator",
-    "--num-processes": "num_processes",
-    "--process-id": "process_id",
-    "--init-timeout": "initialization_timeout",
-    "--heartbeat-timeout": "heartbeat_timeout",
-    "--shutdown-timeout": "shutdown_timeout",
-}
-
-
-def parse_distributed_argv(argv: Sequence[str]) -> tuple[DistributedConfig | None, list[str]]:
-  """Splits the launch flags off ``argv``: (how to join a multi-process job, or None
-  for a single process; the remaining arguments)."""
-  fields: dict[str, Any] = {}
-  auto, rest = False, []
-  args = list(argv)
-  while args:
-    arg = args.pop(0)
-    flag, has_value, value = arg.partition("=")
-    if flag == "--distributed" and not has_value:
-      auto = True
-      continue
-    if flag not in DISTRIBUTED_FLAGS:
-      rest.append(arg)
-      continue
-    if not has_value:
-      if not args:
-        raise ConfigError(f"{flag} needs a value.")
-      value = args.pop(0)
-    name = DISTRIBUTED_FLAGS[flag]
-    if name != "coordinator":
-      try:
-        value = int(value)
-      except ValueError:
-        raise ConfigError(f"{flag}={value!r} is invalid: expected an integer.") from None
-    fields[name] = value
-  launch = {"coordinator", "num_processes", "process_id"} & set(fields)
-  if not auto and not launch:
-    if fields:
-      raise ConfigError(f"{sorted(fields)} only apply to a multi-process run: add "
-                        "--coordinator/--num-processes/--process-id or --distributed.")
-    return None, rest
-  if auto and launch:
-    raise ConfigError("--distributed detects the coordinator, process count and id from the "
-                      "environment: give either it or --coordinator/--num-processes/"
-                      "--process-id, not both.")
-  return DistributedConfig(**fields), rest
 
 
 def _quiet(message: str) -> None:
@@ -493,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       distributed.check_same_on_all_processes(json.dumps(to_dict(config), sort_keys=True),
                                               "the run configuration")
     session = Session(config, log=print if distributed.is_primary() else _quiet)
-    session.meshes()  # a mesh that cannot be built fails now, not after the warm start
+    session.check()  # what cannot work fails now, not after the warm start
     models = session.warm_start()
     summary = session.train(models)
   except (ConfigError, TrainingDivergedError, RewardFunctionError, StalePolicyError,

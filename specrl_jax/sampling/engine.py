@@ -16,7 +16,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specrl_jax.config import SamplingParams, check
+from specrl_jax.config import (SamplingParams, check, is_finite_number, is_integer,
+                               normalise_numbers)
+from specrl_jax.kernels.dispatch import ATTENTION_CHOICES
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import PagedKV, page_size_of
 from specrl_jax.kv.pool import TRASH_PAGE, PagePool
@@ -38,6 +40,14 @@ class EngineConfig:
   prompt_bucket: prompts are padded to a multiple of this, bounding recompilation.
   kv_dtype: dtype of the KV page pool ("float32" or "bfloat16"; None = the model's
     activation dtype). Attention reads it in the compute dtype with float32 scores.
+  bucket_shapes: also round the number of distinct prompts, of requests, of slots (when
+    automatic) and of pages (when automatic) up to the next size in
+    ``sampling.programs.BUCKETS`` (1, 2, 3, 4, 6, 8, 12, ...: at most 1.5x), so that calls
+    of nearby sizes share one compiled program. The padding is never admitted and does
+    not change any request's tokens; it costs at most that much more idle batch rows.
+  attention: "auto" (per backend: the Pallas kernels on GPU and TPU, the reference on
+    CPU), "reference" (the pure-JAX reference everywhere) or "pallas" (the kernels; on
+    CPU in interpret mode, slow); resolved when the engine builds its state.
   memory_fraction: size the pool from the device's memory instead: this share of what
     ``device.memory_stats()`` reports free after the weights (``kv.planner``).
   memory_budget_bytes: or from an explicit budget: bytes per device for the weights and
@@ -50,28 +60,37 @@ class EngineConfig:
   continuous_batching: bool = True
   prompt_bucket: int = 16
   kv_dtype: str | None = None
+  bucket_shapes: bool = True
+  attention: str = "auto"
   memory_fraction: float | None = None
   memory_budget_bytes: int | None = None
 
   def __post_init__(self):
     owner = "EngineConfig"
-    check(isinstance(self.num_slots, int) and self.num_slots >= 0, owner, "num_slots",
+    check(is_integer(self.num_slots) and self.num_slots >= 0, owner, "num_slots",
           self.num_slots, "an integer >= 0 (0 = one per request)")
-    check(isinstance(self.page_size, int) and self.page_size > 0, owner, "page_size",
+    check(is_integer(self.page_size) and self.page_size > 0, owner, "page_size",
           self.page_size, "a positive integer")
-    check(isinstance(self.num_pages, int) and (self.num_pages == 0 or self.num_pages >= 2),
+    check(is_integer(self.num_pages) and (self.num_pages == 0 or self.num_pages >= 2),
           owner, "num_pages", self.num_pages, "0 (automatic) or an integer >= 2")
-    check(isinstance(self.prompt_bucket, int) and self.prompt_bucket > 0, owner,
+    check(is_integer(self.prompt_bucket) and self.prompt_bucket > 0, owner,
           "prompt_bucket", self.prompt_bucket, "a positive integer")
     check(self.kv_dtype in (None, "float32", "bfloat16"), owner, "kv_dtype", self.kv_dtype,
           "None (the model's dtype), 'float32' or 'bfloat16'")
+    check(isinstance(self.continuous_batching, bool), owner, "continuous_batching",
+          self.continuous_batching, "True or False")
+    check(isinstance(self.bucket_shapes, bool), owner, "bucket_shapes", self.bucket_shapes,
+          "True or False")
+    normalise_numbers(self, ints=("num_slots", "page_size", "num_pages", "prompt_bucket"))
+    check(self.attention in ATTENTION_CHOICES, owner, "attention", self.attention,
+          f"one of {ATTENTION_CHOICES}")
     fraction, budget = self.memory_fraction, self.memory_budget_bytes
-    check(fraction is None or (isinstance(fraction, (int, float))
-                               and not isinstance(fraction, bool) and 0 < fraction <= 1),
+    check(fraction is None or (is_finite_number(fraction) and 0 < fraction <= 1),
           owner, "memory_fraction", fraction, "None or a number in (0, 1]")
-    check(budget is None or (isinstance(budget, int) and not isinstance(budget, bool)
-                             and budget > 0),
+    check(budget is None or (is_integer(budget) and budget > 0),
           owner, "memory_budget_bytes", budget, "None or a positive integer")
+    normalise_numbers(self, ints=("memory_budget_bytes",) if budget is not None else (),
+                      floats=("memory_fraction",) if fraction is not None else ())
     sizings = {name: getattr(self, name) for name in ("num_pages", "memory_fraction",
                                                       "memory_budget_bytes")
                if getattr(self, name)}
@@ -204,7 +223,7 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
   The admitted sample references its prompt's full pages (no copy) and gets a private
   copy of the prompt's partly filled last page, which it will keep writing into.
   """
-  num_requests = prompts.prompt_of_request_R.shape[0]
+  num_requests = count_requests(prompts)
   page_size = page_size_of(state.kv.k_pages[0])
   max_pages = state.kv.page_table_BxM.shape[1]
   free_N = state.slot_request_N < 0
@@ -293,7 +312,7 @@ def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
              on_admit: AdmitHook | None = None, max_rounds: int | Array | None = None) -> DecodeState:
   """Decodes until every request has finished or the page pool ran out (or after
   ``max_rounds`` rounds)."""
-  num_requests = prompts.prompt_of_request_R.shape[0]
+  num_requests = count_requests(prompts)
 
   def pending(state):
     return ~is_done(state, num_requests)
@@ -327,7 +346,14 @@ def count_request_rounds(state: DecodeState, active_N: Array, request_N: Array) 
   return state.replace(counters=counters)
 
 
-def is_done(state: DecodeState, num_requests: int) -> Array:
+def count_requests(prompts: Prompts) -> Array:
+  """Requests to decode: the first ones of ``prompt_of_request_R``, whose padding rows
+  (-1, after every real request) are never admitted. Padding lets calls with nearby
+  request counts share one compiled program (``sampling.programs``)."""
+  return jnp.sum(prompts.prompt_of_request_R >= 0, dtype=jnp.int32)
+
+
+def is_done(state: DecodeState, num_requests: int | Array) -> Array:
   """True once every request has finished (or the page pool ran out)."""
   busy = jnp.any(state.active_N) | (state.next_request < num_requests)
   return ~busy | state.pool.exhausted

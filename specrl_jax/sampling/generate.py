@@ -13,14 +13,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from specrl_jax.config import SamplingParams, SpecConfig
+from specrl_jax.kernels.dispatch import resolve_attention
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import LayerOffset, PagedKV, init_pages
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import DecodeState, EngineConfig, Prompts, is_done, run_loop
+from specrl_jax.sampling.inputs import check_arguments
 from specrl_jax.sampling.memory import plan_engine_memory, sharded_bytes, tree_bytes
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling import sharded
 from specrl_jax.sampling.prefill import prefill
+from specrl_jax.sampling.programs import PROGRAMS, bucket_inputs, trim
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.adaptive import DraftLengthController
 from specrl_jax.speculative.catch_up import catch_up_drafter
@@ -61,29 +64,7 @@ class _Layout:
   continuous: bool
   pages_always_enough: int
   kv_dtype: str = "float32"
-
-
-def _validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int,
-                      sampling: SamplingParams, max_positions: int) -> list[list[int]]:
-  if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-    raise ValueError("prompts must be a non-empty list of token-id lists; got "
-                     f"{type(prompts).__name__} of length {len(prompts) if hasattr(prompts, '__len__') else '?'}.")
-  checked = []
-  for index, prompt in enumerate(prompts):
-    ids = [int(t) for t in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-    if not ids:
-      raise ValueError(f"prompts[{index}] is empty: every prompt needs at least one token.")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-      raise ValueError(f"prompts[{index}] has token id {bad[0]} outside the vocabulary "
-                       f"[0, {vocab_size}).")
-    if len(ids) + sampling.max_new_tokens > max_positions:
-      raise ValueError(
-          f"prompts[{index}] has {len(ids)} tokens; with max_new_tokens="
-          f"{sampling.max_new_tokens} that exceeds the model's context of {max_positions} "
-          "positions (ModelConfig.max_position_embeddings).")
-    checked.append(ids)
-  return checked
+  attention: str = "auto"     # EngineConfig.attention, resolved in init_state
 
 
 def _group_prompts(prompts: list[list[int]]):
@@ -118,17 +99,14 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
     drafter was replicated or split like the target.
   """
   config = model.config
-  prompts = _validate_prompts(prompts, config.vocab_size, sampling,
-                              config.max_position_embeddings)
-  if rng is None:
-    rng = jax.random.key(0)
-  elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    rng = jax.random.wrap_key_data(rng)
+  prompts, rng = check_arguments(config, prompts, sampling=sampling, rng=rng,
+                                 drafter=drafter, spec=spec)
   adaptive = spec is not None and spec.adaptive
   if controller is not None and not adaptive:
     raise ValueError("controller was given but spec is not adaptive: pass "
                      "spec=sj.SpecConfig(..., adaptive=True) or drop controller.")
   graphdef, params = nnx.split(model)
+  engine = sharded.engine_for_mesh(engine, mesh)
   if mesh is not None and sharded.batch_shards(mesh) > 1:
     if adaptive:
       raise ValueError(
@@ -141,6 +119,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   inputs, layout, drafter, topology, draft_mode = prepare(
       config, prompts, sampling, engine, drafter, spec,
       weight_bytes=_weight_bytes(params, engine, mesh), tensor_shards=_tensor_shards(mesh))
+  if not adaptive:
+    inputs, layout = bucket_inputs(inputs, layout, engine)
   drafter_params = drafter.params() if drafter is not None else ()
   placement = None
   if mesh is not None:
@@ -154,9 +134,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
                                 rounds_per_decision=spec.rounds_per_decision,
                                 controller=controller, drafter_params=drafter_params)
   else:
-    output = _generate_whole(graphdef, params, drafter, inputs, rng, sampling=sampling,
-                             layout=layout, topology=topology, draft_mode=draft_mode,
-                             drafter_params=drafter_params)
+    output = trim(_generate_whole(graphdef, params, drafter, inputs, rng, sampling=sampling,
+                                  layout=layout, topology=topology, draft_mode=draft_mode,
+                                  drafter_params=drafter_params), len(prompts))
   if placement is not None and drafter is not None:
     output.stats["drafter_sharding"] = placement
   return output
@@ -170,9 +150,10 @@ def _generate_whole(graphdef, params, drafter: Drafter | None, inputs, rng, *,
   if drafter_params is None:
     drafter_params = drafter.params() if drafter is not None else ()
   start = time.perf_counter()
-  final = _generate(graphdef, params, drafter_params,
-                    *inputs, rng, sampling=sampling, layout=layout, drafter=drafter,
-                    topology=topology, draft_mode=draft_mode)
+  final = PROGRAMS.call(rollout, (graphdef,),
+                        dict(sampling=sampling, layout=layout, drafter=drafter,
+                             topology=topology, draft_mode=draft_mode),
+                        params, drafter_params, *inputs, rng)
   final = _fetch_results(final)
   seconds = time.perf_counter() - start
   _raise_if_exhausted(final, layout, inputs)
@@ -422,7 +403,7 @@ def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests:
                  max_pages_per_seq=max_pages,
                  max_new_tokens=sampling.max_new_tokens,
                  continuous=engine.continuous_batching, pages_always_enough=enough,
-                 kv_dtype=engine.kv_dtype or config.dtype)
+                 kv_dtype=engine.kv_dtype or config.dtype, attention=engine.attention)
 
 
 def speculation(config, sampling: SamplingParams, drafter=None, spec: SpecConfig | None = None):
@@ -488,7 +469,9 @@ def init_state(config, layout: _Layout, num_requests: int, rng: jax.Array,
   k_pages, v_pages = init_pages(layer_shapes, layout.num_pages, layout.page_size,
                                 jnp.dtype(layout.kv_dtype))
   n = layout.num_slots
+  attention = resolve_attention(layout.attention)
   kv = PagedKV(k_pages=k_pages, v_pages=v_pages,
+               attention_fn=attention.decode, prefill_attention_fn=attention.prefill,
                page_table_BxM=jnp.zeros((n, layout.max_pages_per_seq), jnp.int32),
                prefix_lengths_B=jnp.zeros((n,), jnp.int32),
                new_mask_BxTxT=jnp.ones((n, 1, 1), bool),

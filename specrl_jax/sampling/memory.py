@@ -55,7 +55,8 @@ def plan_engine_memory(config: ModelConfig, engine, drafter=None, *,
     weight_bytes += tree_bytes(drafter.params())
     extra_layers = drafter.kv_layers()
   return plan_memory(
-      config, kv_dtype=engine.kv_dtype or config.dtype, page_size=engine.page_size, weight_bytes=weight_bytes,
+      config, kv_dtype=engine.kv_dtype or config.dtype, page_size=engine.page_size,
+      weight_bytes=weight_bytes,
       memory_budget_bytes=engine.memory_budget_bytes, memory_fraction=engine.memory_fraction,
       memory_stats=device_memory_stats() if engine.memory_fraction is not None else None,
       tensor_shards=tensor_shards, extra_kv_layers=extra_layers)

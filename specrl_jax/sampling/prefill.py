@@ -39,7 +39,8 @@ def prefill(model: Transformer, pool: page_pool.PagePool, kv: PagedKV, tokens_Ux
       page_table_BxM=table_UxM,
       prefix_lengths_B=jnp.zeros((num_prompts,), jnp.int32),
       new_mask_BxTxT=causal_TxT[None] & valid_UxT[:, None, :],
-      write_positions_BxT=jnp.where(valid_UxT, position_T[None, :], -1))
+      write_positions_BxT=jnp.where(valid_UxT, position_T[None, :], -1),
+      attention_fn=kv.prefill_attention_fn or kv.attention_fn)
   out = model.forward(tokens_UxT, positions_BxT=jnp.broadcast_to(position_T, tokens_UxT.shape),
                       kv=prefill_kv, compute_logits=False, hidden_layers=hidden_layers)
   written = out.kv

@@ -15,7 +15,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -135,3 +134,16 @@ def check_mesh(mesh: Mesh) -> None:
     raise ValueError(f"mesh has axes {tuple(mesh.shape)}; generate needs ('data', 'fsdp', "
                      f"'tensor') (make one with specrl_jax.parallel.make_mesh), missing "
                      f"{missing}.")
+
+
+def engine_for_mesh(engine, mesh: Mesh | None):
+  """``engine`` as it can run on ``mesh``: the Pallas kernels have no partitioning rule
+  over split heads yet, so with a "tensor" axis > 1 attention is the reference
+  ("auto" picks it there; an explicit "pallas" is refused)."""
+  if mesh is None or mesh.shape.get("tensor", 1) == 1 or engine.attention == "reference":
+    return engine
+  if engine.attention == "pallas":
+    raise ValueError(f"EngineConfig.attention='pallas' cannot run on mesh {dict(mesh.shape)}: "
+                     "the kernels do not split KV heads over 'tensor' yet. Use "
+                     "attention='auto' or 'reference' there, or a mesh with tensor=1.")
+  return dataclasses.replace(engine, attention="reference")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specrl_jax.config import SamplingParams
 
@@ -18,13 +19,14 @@ def warped_log_probs(logits_NxV: Array, params: SamplingParams) -> Array:
   """float32 log-probabilities of the warped distribution over the last axis.
 
   Temperature 0 is greedy: a point mass on the argmax (first index on ties).
-  Tokens removed by top-k / top-p get -inf.
+  Tokens removed by top-k / top-p get -inf. Every temperature > 0 is stable, however
+  small: the distribution tends to greedy's and the top token's log-prob stays finite.
   """
   logits = logits_NxV.astype(jnp.float32)
   vocab = logits.shape[-1]
   if params.greedy:
     return jnp.where(jax.nn.one_hot(first_argmax(logits), vocab, dtype=bool), 0.0, -jnp.inf)
-  logits = logits / params.temperature
+  logits = divide_by_temperature(logits, params.temperature)
   if 0 < params.top_k < vocab:
     kth_largest = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
     logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
@@ -39,6 +41,21 @@ def warped_log_probs(logits_NxV: Array, params: SamplingParams) -> Array:
         tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
     logits = jnp.where(keep, logits, -jnp.inf)
   return jax.nn.log_softmax(logits, axis=-1)
+
+
+def divide_by_temperature(logits_NxV: Array, temperature: float) -> Array:
+  """logits / temperature, shifted so that each row's largest entry is 0.
+
+  Dividing first overflows for tiny temperatures (1e-30: every logit +-inf, then NaN
+  log-probs), and a temperature below float32's smallest normal number is flushed to 0
+  under jit (1e-45: 0 / 0). After the shift the top token is 0 whatever the scale and
+  the others only fall towards -inf; below the normal range the scale is float32's
+  largest, which already leaves only ties with the top token any mass.
+  """
+  shifted_NxV = logits_NxV - jnp.max(logits_NxV, axis=-1, keepdims=True)
+  if temperature < np.finfo(np.float32).tiny:
+    return shifted_NxV * np.finfo(np.float32).max
+  return shifted_NxV / temperature
 
 
 def first_argmax(x_NxV: Array) -> Array:

@@ -1,10 +1,14 @@
 """Rewards computed by a Python function on the host (e.g. checking a math answer
 with a CAS), called from inside the compiled RL step with ``jax.pure_callback``.
 
-The callback is the one host round trip of such a step. If the function raises, the
+The callback is the one host round trip of such a step. If the function fails, the
 callback does not crash the XLA program (whose error would bury the cause): it
-records the exception, returns NaN rewards, and ``raise_pending_errors`` re-raises it
-as ``RewardFunctionError`` on the host right after the step.
+records the failure, returns NaN rewards, and ``raise_pending_errors`` re-raises it
+as ``RewardFunctionError`` naming the sample on the host right after the step. A
+failure is anything a call does but return a number: any exception (SystemExit and
+KeyboardInterrupt included), a call still running after ``timeout`` seconds, and,
+with ``workers`` > 0 (each call in a separate worker process, for untrusted code), a
+worker that dies or exceeds its memory limit. See ``reward_workers``.
 """
 
 from __future__ import annotations
@@ -18,31 +22,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specrl_jax.config import check, is_finite_number
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.tasks.base import Problem, Task
+from specrl_jax.rl.tasks.reward_workers import RewardWorkers, SampleError, call_with_timeout
 
 # (response text, this sample's reward targets as numpy arrays) -> reward
 HostRewardFn = Callable[[str, Mapping[str, np.ndarray]], float]
 
 
 class RewardFunctionError(RuntimeError):
-  """A Python reward function raised while scoring a batch."""
+  """A Python reward function failed (raised, timed out, or killed its worker) while
+  scoring a batch."""
 
 
 _LOCK = threading.Lock()
-_PENDING: list[tuple[str, BaseException]] = []
+_PENDING: list[tuple[str, SampleError, str]] = []
 
 
 def raise_pending_errors() -> None:
-  """Raises the first exception a host reward function hit since the last call."""
+  """Raises the first failure a host reward function hit since the last call."""
   with _LOCK:
     pending, _PENDING[:] = list(_PENDING), []
   if pending:
-    name, error = pending[0]
+    name, error, text = pending[0]
     raise RewardFunctionError(
-        f"the Python reward function {name} raised {type(error).__name__}: {error} "
-        f"({len(pending)} batch(es) failed; their rewards were NaN and were not trained on)."
-    ) from error
+        f"the Python reward function {name} {error.problem} on sample {error.index} of its "
+        f"batch (response {text[:80]!r}) ({len(pending)} batch(es) failed; their rewards "
+        "were NaN and were not trained on)."
+    ) from error.cause
 
 
 def decode_answer(ids: np.ndarray) -> str:
@@ -50,22 +58,49 @@ def decode_answer(ids: np.ndarray) -> str:
   return tokenizer.decode([int(i) for i in np.asarray(ids) if i >= 0])
 
 
-def python_reward(fn: HostRewardFn, *, name: str | None = None):
+def _check_options(owner: str, timeout, workers, memory_limit_mb) -> None:
+  check(timeout is None or (is_finite_number(timeout) and timeout > 0), owner, "timeout",
+        timeout, "None (no limit) or a finite number of seconds > 0")
+  check(isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0, owner,
+        "workers", workers, "an integer >= 0 (0 = call the function in this process)")
+  check(memory_limit_mb is None or (isinstance(memory_limit_mb, int)
+                                    and not isinstance(memory_limit_mb, bool)
+                                    and memory_limit_mb > 0 and workers > 0),
+        owner, "memory_limit_mb", memory_limit_mb,
+        "None, or a positive integer with workers > 0 (a limit needs a worker process)")
+
+
+def python_reward(fn: HostRewardFn, *, name: str | None = None, timeout: float | None = 60.0,
+                  workers: int = 0, memory_limit_mb: int | None = None):
   """A jittable reward (targets, tokens_RxL, lengths_R) -> float32 [R] that calls
-  ``fn(response_text, targets_row)`` for every sample on the host."""
+  ``fn(response_text, targets_row)`` for every sample on the host.
+
+  timeout: seconds one call may run (None: no limit). In this process (workers=0) a
+    call past it is abandoned, still running in its thread; in a worker it is killed.
+  workers: 0 calls ``fn`` in this process; N > 0 in N worker processes (isolation for
+    untrusted code; ``fn`` must pickle, e.g. a module-level function).
+  memory_limit_mb: with workers, the address space one worker may grow by (RLIMIT_AS).
+  """
+  _check_options("python_reward", timeout, workers, memory_limit_mb)
   label = name or getattr(fn, "__qualname__", repr(fn))
+  pool = (RewardWorkers(fn, num_workers=workers, timeout=timeout,
+                        memory_limit_bytes=memory_limit_mb and memory_limit_mb << 20)
+          if workers else None)
 
   def host(targets, tokens_RxL, lengths_R):
     targets = {k: np.asarray(v) for k, v in targets.items()}
     tokens_RxL, lengths_R = np.asarray(tokens_RxL), np.asarray(lengths_R)
+    samples = [(tokenizer.decode(row[:n].tolist()), {k: v[i] for k, v in targets.items()})
+               for i, (row, n) in enumerate(zip(tokens_RxL, lengths_R))]
     try:
-      rewards = [float(fn(tokenizer.decode(row[:n].tolist()),
-                          {k: v[i] for k, v in targets.items()}))
-                 for i, (row, n) in enumerate(zip(tokens_RxL, lengths_R))]
+      if pool is not None:
+        rewards = pool.score(samples)
+      else:
+        rewards = [call_with_timeout(fn, sample, timeout, i) for i, sample in enumerate(samples)]
       return np.asarray(rewards, np.float32)
-    except Exception as error:  # handed to the host loop, see the module docstring
+    except SampleError as error:  # handed to the host loop, see the module docstring
       with _LOCK:
-        _PENDING.append((label, error))
+        _PENDING.append((label, error, samples[error.index][0]))
       return np.full(tokens_RxL.shape[:1], np.nan, np.float32)
 
   def reward(targets, tokens_RxL, lengths_R):
@@ -78,7 +113,8 @@ def python_reward(fn: HostRewardFn, *, name: str | None = None):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class PythonRewardTask(Task):
-  """``task``'s problems and prompts, scored by a host function instead.
+  """``task``'s problems and prompts, scored by a host function instead (timeout,
+  workers, memory_limit_mb: as in ``python_reward``).
 
   Not a value-equal dataclass: two wrappers of the same function are the same step
   only if they are the same object (functions do not compare by behaviour).
@@ -87,9 +123,15 @@ class PythonRewardTask(Task):
   task: Task
   fn: HostRewardFn
   name: str = "python"
+  timeout: float | None = 60.0
+  workers: int = 0
+  memory_limit_mb: int | None = None
 
   def __post_init__(self):
-    object.__setattr__(self, "_reward", python_reward(self.fn))
+    _check_options("PythonRewardTask", self.timeout, self.workers, self.memory_limit_mb)
+    object.__setattr__(self, "_reward", python_reward(
+        self.fn, timeout=self.timeout, workers=self.workers,
+        memory_limit_mb=self.memory_limit_mb))
 
   @property
   def max_response_tokens(self) -> int:

@@ -5,11 +5,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specrl_jax.config import ConfigError
+from specrl_jax.config import ConfigError, is_integer
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.drafters.matching import longest_match_log_probs
 
 Array = jax.Array
+
+# The matcher unrolls one comparison of the whole history per suffix position, so
+# compile time grows with n (experiments/compile_bounds.py, docs/drafters.md); matches
+# longer than a few tokens add nothing a 16-gram does not already find.
+MAX_N = 16
 
 
 class NGram(Drafter):
@@ -19,17 +24,20 @@ class NGram(Drafter):
   the tokens generated so far; q is the recency-weighted distribution of what followed
   them. Tree children are the most likely distinct continuations; drafts deeper in the
   tree extend the context with the drafted path. Positions without any match propose
-  nothing, so that slot decodes one token that round.
+  nothing, so that slot decodes one token that round. n is at most MAX_N = 16 (what
+  compiles in reasonable time).
   """
 
   stateless = True  # matches against the token history only
 
   def __init__(self, n: int = 3, min_n: int = 1, vocab_size: int | None = None):
-    if not isinstance(n, int) or n < 1:
-      raise ConfigError(f"NGram.n={n!r} is invalid: expected a positive integer.")
-    if not isinstance(min_n, int) or not 1 <= min_n <= n:
+    if not is_integer(n) or not 1 <= n <= MAX_N:
+      raise ConfigError(f"NGram.n={n!r} is invalid: expected an integer in [1, {MAX_N}] "
+                        "(the matcher is unrolled per suffix position: larger n takes "
+                        "minutes to compile and matches nothing more useful).")
+    if not is_integer(min_n) or not 1 <= min_n <= n:
       raise ConfigError(f"NGram.min_n={min_n!r} is invalid: expected an integer in [1, n={n}].")
-    self.n, self.min_n = n, min_n
+    self.n, self.min_n = int(n), int(min_n)
     self.vocab_size = vocab_size
 
   def __hash__(self):

@@ -1,9 +1,10 @@
-"""Pallas paged attention for decode and for speculative verification.
+"""Paged attention for TPUs: a Pallas kernel for the Mosaic lowering.
 
 One call attends ``T`` query tokens per sequence (1 for plain decode, a chain or a tree
 of drafts for verification) to two kinds of keys: the sequence's committed prefix,
-stored in pages of a shared pool and visible to every query, and the call's own ``T``
-new keys, visible according to ``new_mask_BxTxT``. The result matches
+stored in pages of a shared pool and visible to every query, and N >= T new keys (the
+call's own, after any scratch keys of shallower tree levels), visible according to
+``new_mask_BxTxN``. The result matches
 ``specrl_jax.kv.paged.paged_attention_reference``, which gathers every page and runs
 dense masked attention; this kernel instead streams only the pages a sequence uses.
 
@@ -16,25 +17,31 @@ Kernel layout (flash-decoding with an online softmax):
   their mask are folded in at the last page block, which also normalises and writes
   the output.
 
-Compiled, this is a TPU (Mosaic) kernel: scalar prefetch and a reduction over a
-sequential grid axis have no counterpart in the Triton backend, so ``paged_attention``
-uses the reference elsewhere. On CPU it runs with ``interpret=True`` (the tests).
-It has not been compiled on a TPU yet. The pool layout [P, KV, S, D] keeps a page
-block's two minor axes (page_size, head_dim) whole, as Mosaic's tiling wants.
+Scalar prefetch and a reduction over a sequential grid axis have no counterpart in
+the Triton backend: GPUs use ``paged_attention_gpu``. On CPU this runs with
+``interpret=True`` (the tests). It has not been compiled on a TPU yet. The pool layout
+[P, KV, S, D] keeps a page block's two minor axes (page_size, head_dim) whole, as
+Mosaic's tiling wants.
+
+Why not JAX's maintained ``pallas.ops.tpu.ragged_paged_attention``: it reads one pool
+[P, S, 2 * KV, D] with keys and values interleaved by head, expects the call's new
+keys already written to the pages, and masks causally only. An adapter would need
+that pool layout throughout kv/ (the writes, the prefix sharing, the stash and commit
+of drafts) and could still serve only plain decode and chains: never trees (ancestor
+masks), nor calls with scratch keys, nor verification that must not write rejected
+drafts to the cache. So every case here runs this kernel.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from specrl_jax.config import check
-from specrl_jax.kv.paged import paged_attention_reference
+from specrl_jax.kernels.shapes import check_paged_attention_shapes
 from specrl_jax.models.attention import MASK_VALUE
 
 Array = jax.Array
@@ -44,26 +51,27 @@ Array = jax.Array
 _TARGET_KEYS_PER_BLOCK = 128
 
 
-def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
-                           v_pages_PxKxSxD: Array, page_table_BxM: Array,
-                           prefix_lengths_B: Array, k_new_BxTxKxD: Array,
-                           v_new_BxTxKxD: Array, new_mask_BxTxT: Array, *,
-                           interpret: bool = False,
-                           pages_per_block: int | None = None) -> Array:
+def paged_attention_tpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
+                        v_pages_PxKxSxD: Array, page_table_BxM: Array,
+                        prefix_lengths_B: Array, k_new_BxNxKxD: Array,
+                        v_new_BxNxKxD: Array, new_mask_BxTxN: Array, *,
+                        interpret: bool = False,
+                        pages_per_block: int | None = None) -> Array:
   """Paged attention as a Pallas kernel; same contract as the reference. [B, T, H, D].
 
   Query rows that may see no key at all (no prefix and an all-false mask row, i.e.
-  padding) come out as zeros; the reference averages every value there instead.
+  padding) come out as zeros, as in the reference.
   ``pages_per_block``: pages handled per grid step (None: about 128 keys' worth).
   """
   batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
   _, num_kv_heads, page_size, _ = k_pages_PxKxSxD.shape
   max_pages = page_table_BxM.shape[1]
-  _check_shapes(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
-                prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT)
+  check_paged_attention_shapes(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
+                               prefix_lengths_B, k_new_BxNxKxD, v_new_BxNxKxD, new_mask_BxTxN)
+  new_keys = new_mask_BxTxN.shape[-1]
   if pages_per_block is None:
     pages_per_block = min(max_pages, max(1, _TARGET_KEYS_PER_BLOCK // page_size))
-  check(isinstance(pages_per_block, int) and 1 <= pages_per_block, "paged_attention_pallas",
+  check(isinstance(pages_per_block, int) and 1 <= pages_per_block, "paged_attention_tpu",
         "pages_per_block", pages_per_block, "a positive integer")
   groups = num_heads // num_kv_heads
   rows = q_len * groups
@@ -72,10 +80,11 @@ def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
   # Rows of one KV head ordered (token, group) so the mask expands by repetition.
   q_BxKxRxD = (q_BxTxHxD.reshape(batch, q_len, num_kv_heads, groups, head_dim)
                .transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim))
-  k_new_BxKxTxD = k_new_BxTxKxD.astype(k_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
-  v_new_BxKxTxD = v_new_BxTxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
+  # As in the reference: keys in the query dtype, values in the pool's.
+  k_new_BxKxNxD = k_new_BxNxKxD.astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3)
+  v_new_BxKxNxD = v_new_BxNxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
   # Booleans are not a supported memory type on every backend; int32 is.
-  new_mask_BxTxT = new_mask_BxTxT.astype(jnp.int32)
+  new_mask_BxTxN = new_mask_BxTxN.astype(jnp.int32)
 
   def page_index_map(slot_in_block):
     def index_map(b, kv_head, block, page_table_ref, prefix_lengths_ref):
@@ -95,9 +104,9 @@ def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
       grid=(batch, num_kv_heads, num_blocks),
       in_specs=[
           pl.BlockSpec((None, None, rows, head_dim), per_head),
-          pl.BlockSpec((None, None, q_len, head_dim), per_head),
-          pl.BlockSpec((None, None, q_len, head_dim), per_head),
-          pl.BlockSpec((None, q_len, q_len), lambda b, kv_head, block, *_: (b, 0, 0)),
+          pl.BlockSpec((None, None, new_keys, head_dim), per_head),
+          pl.BlockSpec((None, None, new_keys, head_dim), per_head),
+          pl.BlockSpec((None, q_len, new_keys), lambda b, kv_head, block, *_: (b, 0, 0)),
           *page_specs, *page_specs],
       out_specs=pl.BlockSpec((None, None, rows, head_dim), per_head),
       scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32),
@@ -113,7 +122,7 @@ def paged_attention_pallas(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
   )(page_table_BxM.astype(jnp.int32), prefix_lengths_B.astype(jnp.int32), q_BxKxRxD,
-    k_new_BxKxTxD, v_new_BxKxTxD, new_mask_BxTxT,
+    k_new_BxKxNxD, v_new_BxKxNxD, new_mask_BxTxN,
     *([k_pages_PxKxSxD] * pages_per_block), *([v_pages_PxKxSxD] * pages_per_block))
   return (out_BxKxRxD.reshape(batch, num_kv_heads, q_len, groups, head_dim)
           .transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim))
@@ -146,11 +155,11 @@ def _paged_attention_kernel(page_table_ref, prefix_lengths_ref, q_ref, k_new_ref
 
   @pl.when(block == pl.num_programs(2) - 1)
   def _new_tokens_and_output():
-    mask_TxT = new_mask_ref[...] != 0
-    q_len = mask_TxT.shape[0]
-    mask_RxT = jnp.broadcast_to(mask_TxT[:, None, :], (q_len, groups, q_len)).reshape(
-        q_len * groups, q_len)
-    state.update(k_new_ref[...], v_new_ref[...], mask_RxT)
+    mask_TxN = new_mask_ref[...] != 0
+    q_len, new_keys = mask_TxN.shape
+    mask_RxN = jnp.broadcast_to(mask_TxN[:, None, :], (q_len, groups, new_keys)).reshape(
+        q_len * groups, new_keys)
+    state.update(k_new_ref[...], v_new_ref[...], mask_RxN)
     total = sum_ref[...]
     out = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0)
     out_ref[...] = out.astype(out_ref.dtype)
@@ -165,7 +174,8 @@ class _OnlineSoftmax:
 
   def update(self, k_NxD: Array, v_NxD: Array, visible_RxN: Array) -> None:
     contract_last = (((1,), (1,)), ((), ()))
-    scores_RxN = jax.lax.dot_general(self.q_ref[...], k_NxD, contract_last,
+    q_RxD = self.q_ref[...]
+    scores_RxN = jax.lax.dot_general(q_RxD, k_NxD.astype(q_RxD.dtype), contract_last,
                                      preferred_element_type=jnp.float32) * self.scale
     scores_RxN = jnp.where(visible_RxN, scores_RxN, MASK_VALUE)
     max_prev = self.max_ref[...]
@@ -177,57 +187,3 @@ class _OnlineSoftmax:
     self.acc_ref[...] = rescale * self.acc_ref[...] + jnp.dot(
         probs_RxN.astype(v_NxD.dtype), v_NxD, preferred_element_type=jnp.float32)
     self.max_ref[...] = max_new
-
-
-def _check_shapes(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
-                  prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT) -> None:
-  batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
-  num_pages, num_kv_heads, page_size, _ = k_pages_PxKxSxD.shape
-  new_shape = (batch, q_len, num_kv_heads, head_dim)
-  expected = (
-      ("k_pages_PxKxSxD", k_pages_PxKxSxD.shape, (num_pages, num_kv_heads, page_size, head_dim)),
-      ("v_pages_PxKxSxD", v_pages_PxKxSxD.shape, k_pages_PxKxSxD.shape),
-      ("page_table_BxM", page_table_BxM.shape, (batch, page_table_BxM.shape[-1])),
-      ("prefix_lengths_B", prefix_lengths_B.shape, (batch,)),
-      ("k_new_BxTxKxD", k_new_BxTxKxD.shape, new_shape),
-      ("v_new_BxTxKxD", v_new_BxTxKxD.shape, new_shape),
-      ("new_mask_BxTxT", new_mask_BxTxT.shape, (batch, q_len, q_len)),
-  )
-  for name, got, want in expected:
-    if tuple(got) != tuple(want):
-      raise ValueError(f"paged attention: {name} has shape {tuple(got)}, expected {tuple(want)} "
-                       f"from q_BxTxHxD {q_BxTxHxD.shape} and k_pages_PxKxSxD "
-                       f"{k_pages_PxKxSxD.shape}.")
-  if num_heads % num_kv_heads:
-    raise ValueError(f"paged attention: {num_heads} query heads are not a multiple of "
-                     f"{num_kv_heads} KV heads.")
-
-
-IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {
-    "reference": paged_attention_reference,
-    "pallas": paged_attention_pallas,
-}
-
-
-def default_implementation() -> str:
-  """The compiled kernel where it lowers (TPU); the pure-JAX reference elsewhere."""
-  return "pallas" if jax.default_backend() == "tpu" else "reference"
-
-
-def paged_attention(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSxD: Array,
-                    page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxTxKxD: Array,
-                    v_new_BxTxKxD: Array, new_mask_BxTxT: Array, *,
-                    implementation: str | None = None) -> Array:
-  """Paged attention through the chosen implementation (default: per backend).
-
-  "pallas" off TPU runs the kernel in interpret mode: correct, and slow.
-  """
-  implementation = implementation or default_implementation()
-  check(implementation in IMPLEMENTATIONS, "paged_attention", "implementation",
-        implementation, f"one of {tuple(IMPLEMENTATIONS)}")
-  attention_fn = IMPLEMENTATIONS[implementation]
-  if implementation == "pallas":
-    attention_fn = functools.partial(attention_fn,
-                                     interpret=jax.default_backend() != "tpu")
-  return attention_fn(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
-                      prefix_lengths_B, k_new_BxTxKxD, v_new_BxTxKxD, new_mask_BxTxT)

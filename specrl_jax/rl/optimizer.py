@@ -1,0 +1,139 @@
+"""The GRPO learner's configuration: optimizer, learning-rate schedule, micro-batching.
+
+Every float field must be a finite number: an infinite learning rate or epsilon would
+train NaN weights from the first update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import optax
+
+from specrl_jax.config import SamplingParams, check, is_finite_number
+from specrl_jax.rl.losses import GRPOConfig
+
+Array = jax.Array
+Schedule = Callable[[Array], Array]
+
+
+def _constant(config: "LearnerConfig", peak: float) -> Schedule:
+  del config
+  return optax.constant_schedule(peak)
+
+
+def _linear(config: "LearnerConfig", peak: float) -> Schedule:
+  return optax.linear_schedule(peak, peak * config.final_learning_rate_ratio,
+                               config.decay_steps)
+
+
+def _cosine(config: "LearnerConfig", peak: float) -> Schedule:
+  return optax.cosine_decay_schedule(peak, config.decay_steps,
+                                     alpha=config.final_learning_rate_ratio)
+
+
+# Decay shapes after warmup, by name: peak -> peak * final_learning_rate_ratio over
+# decay_steps, then held.
+SCHEDULES: dict[str, Callable[["LearnerConfig", float], Schedule]] = {
+    "constant": _constant,
+    "linear": _linear,
+    "cosine": _cosine,
+}
+
+
+def non_negative_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+  """Optimizer, schedule, micro-batching and the loss of the GRPO learner.
+
+  sampling: the rollout's SamplingParams; the trainer's log-probs use the same warp
+    so the ratio compares like with like.
+  num_micro_batches: the per-replica batch is processed in this many sequential
+    slices with gradients accumulated (memory, not math: the result is the same).
+  max_grad_norm: global-norm clipping threshold, None to disable.
+  drafter_learning_rate: peak learning rate of the drafter's optimizer (None: the
+    policy's); the drafter shares schedule shape, Adam and clipping settings.
+  """
+
+  learning_rate: float = 1e-6
+  schedule: str = "cosine"
+  warmup_steps: int = 0
+  decay_steps: int = 1000
+  final_learning_rate_ratio: float = 0.1
+  weight_decay: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  adam_eps: float = 1e-8
+  max_grad_norm: float | None = 1.0
+  num_micro_batches: int = 1
+  loss: GRPOConfig = GRPOConfig()
+  sampling: SamplingParams = SamplingParams()
+  drafter_learning_rate: float | None = None
+
+  def __post_init__(self):
+    owner = "LearnerConfig"
+    number = lambda name, ok, allowed: check(
+        is_finite_number(getattr(self, name)) and ok(getattr(self, name)), owner, name,
+        getattr(self, name), f"a finite number {allowed}")
+    number("learning_rate", lambda v: v >= 0, ">= 0")
+    check(self.schedule in SCHEDULES, owner, "schedule", self.schedule,
+          f"one of {sorted(SCHEDULES)}")
+    check(non_negative_int(self.warmup_steps), owner, "warmup_steps", self.warmup_steps,
+          "an integer >= 0")
+    check(non_negative_int(self.decay_steps) and self.decay_steps > 0, owner,
+          "decay_steps", self.decay_steps, "a positive integer")
+    number("final_learning_rate_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
+    number("weight_decay", lambda v: v >= 0, ">= 0")
+    number("adam_b1", lambda v: 0 <= v < 1, "in [0, 1)")
+    number("adam_b2", lambda v: 0 <= v < 1, "in [0, 1)")
+    number("adam_eps", lambda v: v > 0, "> 0")
+    check(self.max_grad_norm is None
+          or (is_finite_number(self.max_grad_norm) and self.max_grad_norm > 0), owner,
+          "max_grad_norm", self.max_grad_norm, "None (no clipping) or a finite number > 0")
+    check(non_negative_int(self.num_micro_batches) and self.num_micro_batches > 0, owner,
+          "num_micro_batches", self.num_micro_batches, "a positive integer")
+    check(isinstance(self.loss, GRPOConfig), owner, "loss", self.loss, "a GRPOConfig")
+    check(isinstance(self.sampling, SamplingParams) and not self.sampling.greedy, owner,
+          "sampling", self.sampling,
+          "SamplingParams with temperature > 0 (greedy log-probs have no gradient)")
+    check(self.drafter_learning_rate is None
+          or (is_finite_number(self.drafter_learning_rate) and self.drafter_learning_rate >= 0),
+          owner, "drafter_learning_rate", self.drafter_learning_rate,
+          "None or a finite number >= 0")
+
+
+def learning_rate_schedule(config: LearnerConfig, peak: float | None = None) -> Schedule:
+  """Linear warmup from 0 over warmup_steps, then the configured decay from ``peak``."""
+  peak = config.learning_rate if peak is None else peak
+  decay = SCHEDULES[config.schedule](config, peak)
+  if config.warmup_steps == 0:
+    return decay
+  warmup = optax.linear_schedule(0.0, peak, config.warmup_steps)
+  return optax.join_schedules([warmup, decay], [config.warmup_steps])
+
+
+def _decays(params):
+  # Weight decay on matrices only: shrinking norm scales toward 0 is not regularisation.
+  return jax.tree.map(lambda x: x.ndim > 1, params)
+
+
+def make_optimizer(config: LearnerConfig, peak: float | None = None
+                   ) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW on the warmup/decay schedule."""
+  adamw = optax.adamw(learning_rate_schedule(config, peak), b1=config.adam_b1,
+                      b2=config.adam_b2, eps=config.adam_eps,
+                      weight_decay=config.weight_decay, mask=_decays)
+  if config.max_grad_norm is None:
+    return adamw
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+
+
+def drafter_peak(config: LearnerConfig) -> float:
+  if config.drafter_learning_rate is None:
+    return config.learning_rate
+  return config.drafter_learning_rate

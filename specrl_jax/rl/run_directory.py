@@ -1,0 +1,116 @@
+"""The records of a run directory: which configuration its checkpoints and its cached
+warm start were made with, and whether a new configuration may continue them.
+
+    <directory>/config.json           the run's configuration (written once its state
+                                      is restored or initialised, never by a run that
+                                      fails before that)
+    <directory>/warm_start/key.json   the part of the configuration the cached warm
+                                      start was made from
+    <directory>/checkpoints/<step>/   orbax train states
+
+Every file here is written to a temporary name and renamed, so that a process killed
+mid-write leaves the previous version or none, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from specrl_jax.config import ConfigError
+
+CONFIG = "config.json"
+WARM_START_KEY = "key.json"
+
+# What a resumed run may change: how long it runs, where it runs (checkpoints restore
+# onto any mesh), and what it writes. Anything else would continue one experiment's
+# state under another's settings.
+RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices", "output.")
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """Nested dicts as {"section.field": value}; lists (from JSON) as tuples."""
+  flat = {}
+  for name, value in tree.items():
+    if isinstance(value, Mapping):
+      flat.update(flatten(value, f"{prefix}{name}."))
+    else:
+      flat[f"{prefix}{name}"] = tuple(value) if isinstance(value, list) else value
+  return flat
+
+
+def differences(old: Mapping[str, Any], new: Mapping[str, Any],
+                ignore: tuple[str, ...] = ()) -> list[str]:
+  """"field: old -> new" for every field that differs (and is not under ``ignore``)."""
+  old, new = flatten(old), flatten(new)
+  lines = []
+  for name in sorted(set(old) | set(new)):
+    if any(name == i or (i.endswith(".") and name.startswith(i)) for i in ignore):
+      continue
+    if old.get(name, "<absent>") != new.get(name, "<absent>"):
+      lines.append(f"{name}: {old.get(name, '<absent>')!r} -> {new.get(name, '<absent>')!r}")
+  return lines
+
+
+def write_json(path: str, record: Mapping[str, Any]) -> None:
+  """Writes ``record`` to ``path`` atomically (a temporary file, then a rename)."""
+  temporary = f"{path}.tmp-{os.getpid()}"
+  with open(temporary, "w") as file:
+    json.dump(record, file, indent=2)
+    file.flush()
+    os.fsync(file.fileno())
+  os.replace(temporary, path)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+  """The record at ``path``; None if there is none or it cannot be read as one."""
+  try:
+    with open(path) as file:
+      record = json.load(file)
+  except (OSError, ValueError):
+    return None
+  return record if isinstance(record, dict) else None
+
+
+def check_resumable(directory: str, checkpoint_steps: list[int],
+                    config: Mapping[str, Any]) -> None:
+  """Raises ConfigError, touching nothing, if ``config`` may not continue the
+  checkpoints of the run in ``directory`` (``checkpoint_steps``: those present)."""
+  if not checkpoint_steps:
+    return
+  recorded = read_json(os.path.join(directory, CONFIG))
+  if recorded is None:
+    return  # an older run without a record: restoring checks the state's shapes
+  changed = differences(recorded, config, ignore=RESUMABLE)
+  if changed:
+    raise ConfigError(
+        f"the run in {directory} has checkpoints (steps {checkpoint_steps}) made with "
+        f"{os.path.join(directory, CONFIG)}; this configuration differs in "
+        f"{'; '.join(changed)}. A resumed run may change only {', '.join(RESUMABLE)}: give "
+        "the recorded values, another --output.directory, or --output.resume=false to "
+        "start over (which deletes the checkpoints).")
+
+
+def warm_start_key(config: Mapping[str, Any]) -> dict[str, Any]:
+  """The part of an experiment config (as a dict) that determines its warm start."""
+  drafter = dict(config["drafter"])
+  key = {"policy": config["policy"], "task": config["task"],
+         "warm_start": config["warm_start"], "drafter_kind": drafter["kind"]}
+  if drafter["kind"] == "draft_model":
+    key["draft_model"] = {name: drafter[name] for name in (
+        "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+        "head_dim")}
+  return key
+
+
+def warm_start_mismatch(folder: str, key: Mapping[str, Any]) -> str | None:
+  """Why the warm start cached in ``folder`` does not fit ``key`` (None if it does)."""
+  recorded = read_json(os.path.join(folder, WARM_START_KEY))
+  if recorded is None:
+    return f"{folder} has no readable {WARM_START_KEY} (the config it was made with)"
+  changed = differences(recorded, key)
+  if changed:
+    return f"{folder} was made with another config: {'; '.join(changed)}"
+  return None

@@ -1,0 +1,177 @@
+"""Host reward functions run where they cannot hang, crash or exhaust the trainer.
+
+``call_with_timeout`` runs one call in a daemon thread of this process: a call past
+its timeout is abandoned (Python cannot stop a thread; it runs on, harmless, until it
+returns or the process exits) and reported. ``RewardWorkers`` runs calls in separate
+worker processes for untrusted code: a call past its timeout, or a worker that exits
+(``os._exit``, a crash, the kernel's OOM killer), kills only that worker, which is
+restarted for the next batch; an optional memory limit (RLIMIT_AS) bounds what one
+call may allocate.
+
+Either way a failure is a ``SampleError`` naming the sample and what went wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+# How long a fresh worker may take to import and unpickle the reward function.
+STARTUP_SECONDS = 120.0
+_WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                              "reward_worker_main.py")
+
+
+class SampleError(Exception):
+  """Scoring sample ``index`` failed: ``problem`` says how ("raised KeyError: 'x'",
+  "did not return within 2.0 s", ...); ``cause`` is the exception, when there is one."""
+
+  def __init__(self, index: int, problem: str, cause: BaseException | None = None):
+    super().__init__(f"sample {index}: {problem}")
+    self.index, self.problem, self.cause = index, problem, cause
+
+
+def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None,
+                      index: int) -> float:
+  """``float(fn(*args))``, or SampleError if it raises anything (SystemExit included)
+  or has not returned after ``timeout`` seconds (None: no limit)."""
+  box: dict[str, Any] = {}
+
+  def run():
+    try:
+      box["value"] = float(fn(*args))
+    except BaseException as error:  # noqa: B036 (SystemExit must not end the trainer)
+      box["error"] = error
+
+  if timeout is None:
+    run()
+  else:
+    thread = threading.Thread(target=run, daemon=True, name=f"specrl-reward-{index}")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+      raise SampleError(index, f"did not return within {timeout} s (the call was "
+                               "abandoned; use worker processes to have it killed)")
+  if "error" in box:
+    error = box["error"]
+    raise SampleError(index, f"raised {type(error).__name__}: {error}", error)
+  return box["value"]
+
+
+def _stop(process: subprocess.Popen | None) -> int | None:
+  if process is None:
+    return None
+  if process.poll() is None:
+    process.kill()
+  return process.wait()
+
+
+class RewardWorkers:
+  """``num_workers`` processes scoring samples with ``fn`` (which must pickle: a
+  module-level function or a picklable callable object)."""
+
+  def __init__(self, fn: Callable[..., Any], *, num_workers: int, timeout: float | None,
+               memory_limit_bytes: int | None = None):
+    try:
+      self._payload = pickle.dumps(fn)
+    except Exception as error:
+      raise TypeError(f"reward function {fn!r} cannot be sent to a worker process "
+                      f"({type(error).__name__}: {error}): give a module-level function "
+                      "or a picklable callable object.") from error
+    self.timeout = timeout
+    self._memory_limit = memory_limit_bytes
+    self._processes: list[subprocess.Popen | None] = [None] * num_workers
+    self._connections: list[Connection | None] = [None] * num_workers
+    self._lock = threading.Lock()
+    weakref.finalize(self, lambda processes: [_stop(p) for p in processes], self._processes)
+
+  def _start(self, worker: int) -> Connection:
+    ours, theirs = Pipe()
+    process = subprocess.Popen([sys.executable, _WORKER_SCRIPT, str(theirs.fileno())],
+                               pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+    theirs.close()
+    ours.send((list(sys.path), self._payload, self._memory_limit))
+    self._processes[worker], self._connections[worker] = process, ours
+    return ours
+
+  def _kill(self, worker: int) -> int | None:
+    code = _stop(self._processes[worker])
+    if self._connections[worker] is not None:
+      self._connections[worker].close()
+    self._processes[worker] = self._connections[worker] = None
+    return code
+
+  def _running(self, worker: int, index: int) -> Connection:
+    """The worker's connection, (re)starting it first if it is not running."""
+    process = self._processes[worker]
+    if process is not None and process.poll() is None:
+      return self._connections[worker]
+    self._kill(worker)
+    try:
+      connection = self._start(worker)
+      if not connection.poll(STARTUP_SECONDS):
+        raise EOFError
+      connection.recv()  # "ready": the function is loaded
+    except (EOFError, OSError):
+      code = self._kill(worker)
+      raise SampleError(index, f"its worker process did not load the reward function "
+                               f"(exit code {code}; its stderr says why)") from None
+    return connection
+
+  def score(self, samples: Sequence[tuple[str, Any]]) -> list[float]:
+    """The rewards of ``samples`` ((text, targets) each), or SampleError for the
+    first that fails (the other workers' calls in flight are killed with it)."""
+    with self._lock:
+      return self._score(samples)
+
+  def _score(self, samples):
+    rewards: list[float | None] = [None] * len(samples)
+    todo = list(range(len(samples)))[::-1]
+    busy: dict[int, tuple[int, float]] = {}  # worker -> (sample, deadline)
+    try:
+      while todo or busy:
+        for worker in range(len(self._processes)):
+          if worker not in busy and todo:
+            index = todo.pop()
+            self._running(worker, index).send(samples[index])
+            limit = float("inf") if self.timeout is None else self.timeout
+            busy[worker] = (index, time.monotonic() + limit)
+        deadline = min(d for _, d in busy.values())
+        remaining = None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+        ready = wait([self._connections[w] for w in busy], timeout=remaining)
+        for worker in [w for w in busy if self._connections[w] in ready]:
+          index, _ = busy.pop(worker)
+          try:
+            kind, value = self._connections[worker].recv()
+          except (EOFError, OSError):
+            code = self._kill(worker)
+            raise SampleError(index, f"killed its worker process (exit code {code}; e.g. "
+                                     "os._exit, a crash, or over its memory limit)") from None
+          if kind == "error":
+            raise SampleError(index, f"raised {value} (in a worker process)")
+          rewards[index] = value
+        now = time.monotonic()
+        for worker, (index, deadline) in list(busy.items()):
+          if now >= deadline:
+            busy.pop(worker)
+            self._kill(worker)
+            raise SampleError(index, f"did not return within {self.timeout} s (its worker "
+                                     "process was killed)")
+    except BaseException:
+      for worker in busy:  # their answers would arrive as the next batch's
+        self._kill(worker)
+      raise
+    return rewards
+
+  def close(self) -> None:
+    for worker in range(len(self._processes)):
+      self._kill(worker)
