@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.config import PRESETS  # noqa: E402
 from specrl_jax.kernels import ATTENTION_CHOICES  # noqa: E402
-from specrl_jax.sampling import generate as generate_module  # noqa: E402
+from specrl_jax.sampling import generate as generate_module, rollout as rollout_programs  # noqa: E402
 
 FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
         "partition-id", "replica-id", "opt-barrier"}
@@ -111,7 +111,7 @@ def compiled_rollout_text(config, *, batch: int, prompt_length: int, new_tokens:
       config, prompts, sampling, engine, drafter, spec)
   graphdef, params = nnx.split(model)
   drafter_params = drafter.params() if drafter is not None else ()
-  lowered = generate_module._generate.lower(
+  lowered = rollout_programs._generate.lower(
       graphdef, params, drafter_params, *inputs, jax.random.key(0), sampling=sampling,
       layout=layout, drafter=drafter, topology=topology, draft_mode=draft_mode)
   return lowered.compile().as_text()

@@ -242,7 +242,7 @@ def test_decode_rounds_update_the_page_pool_in_place(speculative):
   from flax import nnx
 
   import specrl_jax as sj
-  from specrl_jax.sampling import generate as engine_programs
+  from specrl_jax.sampling import generate as engine_programs, rollout as rollout_programs
   config = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8)
   model = sj.Transformer(config, rngs=nnx.Rngs(0))
@@ -255,7 +255,7 @@ def test_decode_rounds_update_the_page_pool_in_place(speculative):
       config, [[1, 2, 3], [4, 5]], sampling, sj.EngineConfig(num_pages=97, page_size=4),
       drafter, spec)
   graphdef, params = nnx.split(model)
-  text = engine_programs._generate.lower(
+  text = rollout_programs._generate.lower(
       graphdef, params, drafter.params() if drafter else (), *inputs, jax.random.key(0),
       sampling=sampling, layout=layout, drafter=drafter, topology=topology,
       draft_mode=draft_mode).compile().as_text()

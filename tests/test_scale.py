@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from specrl_jax import drafters, parallel, testing
 from specrl_jax.config import ModelConfig, SamplingParams, SpecConfig
-from specrl_jax.sampling import generate as engine_programs
+from specrl_jax.sampling import rollout as rollout_programs, sharded
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import generate
+from specrl_jax.sampling.generate import generate, prepare
 from specrl_jax.sampling.sharded import tree_bytes
 
 VOCAB = 12
@@ -81,11 +82,11 @@ def test_a_small_drafter_is_replicated(target):
 
 def test_each_of_four_tensor_shards_holds_a_quarter_of_the_weights_and_pages(target):
   mesh = mesh_of((1, 1, 4))
-  inputs, layout, *_ = engine_programs.prepare(TARGET, PROMPTS, GREEDY, ENGINE)
-  graphdef, params = engine_programs.nnx.split(target)
-  params = engine_programs.sharded.place_weights(params, mesh)
-  inputs, rng = engine_programs.sharded.replicate(mesh, (inputs, jax.random.key(0)))
-  state, _ = engine_programs._start(graphdef, params, (), *inputs, rng, sampling=GREEDY,
+  inputs, layout, *_ = prepare(TARGET, PROMPTS, GREEDY, ENGINE)
+  graphdef, params = nnx.split(target)
+  params = sharded.place_weights(params, mesh)
+  inputs, rng = sharded.replicate(mesh, (inputs, jax.random.key(0)))
+  state, _ = rollout_programs._start(graphdef, params, (), *inputs, rng, sampling=GREEDY,
                                     layout=layout, drafter=None, topology=None)
 
   def bytes_on(device, tree):
@@ -140,17 +141,17 @@ def bf16_target():
 
 
 def test_a_bf16_target_keeps_bf16_weights_activations_and_pages(bf16_target):
-  inputs, layout, *_ = engine_programs.prepare(BF16, PROMPTS, GREEDY, ENGINE)
+  inputs, layout, *_ = prepare(BF16, PROMPTS, GREEDY, ENGINE)
   assert layout.kv_dtype == "bfloat16"
-  graphdef, params = engine_programs.nnx.split(bf16_target)
+  graphdef, params = nnx.split(bf16_target)
   assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-  state, _ = engine_programs._start(graphdef, params, (), *inputs, jax.random.key(0),
+  state, _ = rollout_programs._start(graphdef, params, (), *inputs, jax.random.key(0),
                                     sampling=GREEDY, layout=layout, drafter=None,
                                     topology=None)
   assert state.kv.k_pages[0].dtype == jnp.bfloat16
   out = generate(bf16_target, PROMPTS, sampling=SamplingParams(max_new_tokens=4))
   assert out.logprobs.dtype == np.float32 and np.all(out.logprobs <= 0)
-  f32_pages = engine_programs.prepare(BF16, PROMPTS, GREEDY,
+  f32_pages = prepare(BF16, PROMPTS, GREEDY,
                                       EngineConfig(kv_dtype="float32"))[1]
   assert f32_pages.kv_dtype == "float32"
 
@@ -176,7 +177,7 @@ def test_tensor_parallel_meshes_attend_with_the_reference():
   """The Pallas kernels have no rule for split KV heads: "auto" takes the reference on
   a mesh with a tensor axis, and an explicit "pallas" is refused before compiling."""
   mesh = mesh_of((1, 1, 2))
-  auto = engine_programs.sharded.engine_for_mesh(EngineConfig(), mesh)
+  auto = sharded.engine_for_mesh(EngineConfig(), mesh)
   assert auto.attention == "reference"
   with pytest.raises(ValueError, match="attention='pallas' cannot run on mesh"):
     generate(testing.peaked_random_model(TARGET, seed=0), PROMPTS, sampling=GREEDY,

@@ -35,17 +35,29 @@ TRANSFORMER_RULES: PartitionRules = (
 
 
 
+# In a rollout the vocabulary stays whole and the embedding's width is split instead:
+# logits then come out of one all-reduce over the tensor group, replicated, and sampling
+# reads them locally. Vocabulary-split logits made the partitioner slice them with
+# collective permutes inside the decode loop, which XLA:CPU rendezvouses over every
+# device, so batch shards that leave the loop at different rounds deadlocked.
+_ROLLOUT_VOCABULARY_RULES: PartitionRules = (
+    (r"(^|/)embed$", P(None, "tensor")),               # [V, D]
+    (r"(^|/)lm_head$", P("tensor", None)),             # [D, V]
+)
+
+
 def rollout_rules(rules: PartitionRules = TRANSFORMER_RULES) -> PartitionRules:
   """``rules`` for decoding: "fsdp" dropped. In a rollout fsdp is a batch axis (each
   shard decodes its own requests), so weights are whole along it and split over
-  "tensor" only."""
+  "tensor" only (the embedding and LM head over their width, not the vocabulary)."""
   def without_fsdp(spec: P) -> P:
     def keep(axes):
       names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
       names = tuple(name for name in names if name != "fsdp")
       return None if not names else names[0] if len(names) == 1 else names
     return P(*(keep(axes) for axes in spec))
-  return tuple((pattern, without_fsdp(spec)) for pattern, spec in rules)
+  return _ROLLOUT_VOCABULARY_RULES + tuple((pattern, without_fsdp(spec))
+                                           for pattern, spec in rules)
 
 
 # Wrappers that carry a value but are not part of the parameter's name.

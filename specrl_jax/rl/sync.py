@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specrl_jax.config import ConfigError, SpecConfig, check
 from specrl_jax.models import tokenizer
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
+from specrl_jax.parallel.rules import named_shardings, rollout_rules
 from specrl_jax.rl.advantages import group_advantages
 from specrl_jax.rl.learner import (
     Batch, LearnerConfig, TrainState, make_log_prob_step, make_train_step,
@@ -42,10 +43,9 @@ from specrl_jax.rl.learner import (
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.sharded import engine_for_mesh
-from specrl_jax.sampling.generate import (
-    engine_layout, padded_width, rollout as engine_rollout, speculation,
-)
+from specrl_jax.sampling.sharded import engine_for_mesh, manual_axes
+from specrl_jax.sampling.layout import engine_layout, padded_width, speculation
+from specrl_jax.sampling.rollout import rollout as engine_rollout
 from specrl_jax.speculative.drafters.base import Drafter
 
 Array = jax.Array
@@ -225,9 +225,15 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
   # stay sharded and the compiler splits every layer and the KV pages' heads with them.
   sharded = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), rows, rows, rows, P()),
                           out_specs=(rows, rows, rows, rows, rows, rows),
-                          axis_names=set(BATCH_AXES), check_vma=False)
+                          axis_names=manual_axes(mesh), check_vma=False)
 
   def rollout(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories:
+    # Gathered over fsdp here, once: left to the partitioner, the gathers of weights
+    # sharded over fsdp (a batch axis of the rollout) can sink into the decode loop, whose
+    # trip count differs between batch shards, and its collectives then deadlock.
+    params, drafter_params = jax.lax.with_sharding_constraint(
+        (params, drafter_params), (named_shardings(params, mesh, rollout_rules()),
+                                   named_shardings(drafter_params, mesh, rollout_rules())))
     tokens, mask, log_probs, rewards_R, lengths_R, (counters, exhausted) = sharded(
         params, drafter_params, prompts.tokens_PxT, prompts.lengths_P, dict(prompts.targets),
         rng)

@@ -106,8 +106,14 @@ def per_shard(fn, mesh: Mesh, num_replicated: int):
   def run(*args):
     in_specs = (P(),) * num_replicated + (rows,) * (len(args) - num_replicated)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=rows,
-                         axis_names=set(BATCH_AXES), check_vma=False)(*args)
+                         axis_names=manual_axes(mesh), check_vma=False)(*args)
   return run
+
+
+def manual_axes(mesh: Mesh) -> set[str]:
+  """The axes a per-shard program handles itself: the batch axes, and "tensor" too when
+  it has one device (host callbacks, e.g. Python rewards, need a fully manual region)."""
+  return set(BATCH_AXES) if mesh.shape["tensor"] > 1 else set(mesh.axis_names)
 
 
 def batch_shards(mesh: Mesh | None) -> int:
