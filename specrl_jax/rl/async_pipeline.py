@@ -213,7 +213,7 @@ class AsyncPipeline:
       host = in_flight[str(index)]
       batch = int(host["batch"])
       if batch != first_update + index:
-        raise ValueError(f"in-flight batch {index} is batch {batch}; resuming at update "
+        raise ConfigError(f"in-flight batch {index} is batch {batch}; resuming at update "
                          f"{first_update} expects batch {first_update + index}.")
       if batch >= end:
         break
