@@ -13,8 +13,33 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+
+
+IN_FLIGHT = "in_flight"
+
+
+_EMPTY = "zero_size_array"
+
+
+def _encode_host(tree: Any) -> Any:
+  """Host data orbax can write: it refuses zero-size arrays (a counter per draft
+  position without a drafter), kept as one element of their dtype and their shape."""
+  def encode(leaf):
+    leaf = np.asarray(leaf)
+    if leaf.size:
+      return leaf
+    return {_EMPTY: np.zeros(1, leaf.dtype), "shape": np.asarray(leaf.shape, np.int64)}
+  return jax.tree.map(encode, tree)
+
+
+def _decode_host(tree: Any) -> Any:
+  empty = lambda node: isinstance(node, dict) and set(node) == {_EMPTY, "shape"}
+  return jax.tree.map(
+      lambda node: np.zeros(tuple(node["shape"]), node[_EMPTY].dtype) if empty(node) else node,
+      tree, is_leaf=empty)
 
 
 def _absolute(directory: str | os.PathLike) -> str:
@@ -68,6 +93,11 @@ class TrainCheckpointManager:
   ``save`` is asynchronous by default: it returns once the arrays are copied off the
   devices and writes in the background; ``wait_until_finished`` (or ``close``) blocks
   until the files are complete.
+
+  A checkpoint may carry host data beside the state (``save(..., in_flight=...)``:
+  the async pipeline's trajectories not trained on yet); it is then written as
+  ``{"state": state, "in_flight": data}`` in the same atomic step folder, and
+  ``restore`` still returns the state alone.
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
@@ -76,11 +106,17 @@ class TrainCheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
         enable_async_checkpointing=async_save, create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # The handler named up front: a fresh manager can then read a step's metadata.
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=ocp.StandardCheckpointHandler())
 
-  def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-    """Saves ``state`` as ``step`` if the interval says so (or ``force``); True if saved."""
-    return self._manager.save(int(step), args=ocp.args.StandardSave(state), force=force)
+  def save(self, step: int, state: Any, *, force: bool = False, in_flight: Any = None) -> bool:
+    """Saves ``state`` as ``step`` if the interval says so (or ``force``); True if saved.
+
+    ``in_flight``: a pytree of numpy arrays, the same on every process, saved with it.
+    """
+    item = state if in_flight is None else {"state": state, IN_FLIGHT: _encode_host(in_flight)}
+    return self._manager.save(int(step), args=ocp.args.StandardSave(item), force=force)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -95,11 +131,24 @@ class TrainCheckpointManager:
     free ``rl.abstract_train_state(...)``; ``shardings`` overrides its leaves'
     shardings. The mesh may differ from the one the checkpoint was written on.
     """
+    return self.restore_with_in_flight(target, step=step, shardings=shardings)[0]
+
+  def restore_with_in_flight(self, target: Any, *, step: int | None = None,
+                             shardings: Any = None) -> tuple[Any, Any]:
+    """(state, in_flight): ``restore``'s state and the host data saved with it (numpy
+    arrays on every process), or None where the checkpoint has none."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
     abstract = abstract_with_shardings(target, shardings)
-    return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    saved = self._manager.item_metadata(step)
+    if saved is None or set(saved.keys()) != {"state", IN_FLIGHT}:
+      return self._manager.restore(step, args=ocp.args.StandardRestore(abstract)), None
+    # numpy targets restore as numpy, read in full by every process.
+    host = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), saved[IN_FLIGHT])
+    restored = self._manager.restore(step, args=ocp.args.StandardRestore(
+        {"state": abstract, IN_FLIGHT: host}))
+    return restored["state"], _decode_host(restored[IN_FLIGHT])
 
   def delete(self, step: int) -> None:
     """Removes the checkpoint of ``step``."""

@@ -10,6 +10,7 @@ FAULT is one of
                 orbax's temporary name, the rename that commits them not yet done
   step:N        die in training, right after step N's metrics are written (before
                 the checkpoint that would follow it)
+  saved:N       die right after checkpoint N is complete (before the next step)
 """
 
 import os
@@ -44,6 +45,17 @@ def _install(fault: str) -> None:
         _die()
       return await finalize(self, *args, **kwargs)
     atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
+  elif kind == "saved":
+    from specrl_jax import checkpoint
+    save = checkpoint.TrainCheckpointManager.save
+
+    def save_then_die(self, step, *args, **kwargs):
+      saved = save(self, step, *args, **kwargs)
+      if step == int(where):
+        self.wait_until_finished()
+        _die()
+      return saved
+    checkpoint.TrainCheckpointManager.save = save_then_die
   elif kind == "step":
     from specrl_jax.rl import metrics
     write = metrics.MetricsWriter.write

@@ -3,6 +3,8 @@ overrides, stale caches, changed configs and hostile reward functions.
 
 - A run SIGKILLed during its warm start, during a checkpoint write and during
   training resumes each time and ends with exactly the metrics of an uninterrupted run.
+- So does an async run SIGKILLed right after a checkpoint, with batches of older
+  policy versions in flight: each step trains on the policy version it would have.
 - A non-finite update is never kept nor checkpointed; the error names the step and the
   first non-finite leaf; resume uses the newest finite checkpoint.
 - Zero gradient norm with a constant reward is reported as a collapse warning.
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,11 +45,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # warm start: enough for rewards that differ, hence updates that change the weights).
 ARGS = ["--preset=tiny", "--drafter.kind=none", "--rl.steps=4", "--output.checkpoint_every=1",
         "--output.tensorboard=false", "--output.progress=false", "--output.plots=false"]
-TIMING = ("step_seconds", "samples_per_second", "tokens_per_second")
+TIMING = ("step_seconds", "samples_per_second", "tokens_per_second", "rollout_seconds",
+          "train_seconds", "exposed_rollout_seconds", "sync_seconds")
 
 
-def _fault_run(fault, directory, cache):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
+def _fault_run(fault, directory, cache, *extra, devices=1):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
              JAX_COMPILATION_CACHE_DIR=str(cache),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
@@ -54,7 +58,7 @@ def _fault_run(fault, directory, cache):
              PYTHONPATH=os.pathsep.join([os.path.dirname(HERE),
                                          os.environ.get("PYTHONPATH", "")]))
   return subprocess.run([sys.executable, os.path.join(HERE, "fault_run.py"), fault, *ARGS,
-                         f"--output.directory={directory}"], env=env, capture_output=True,
+                         *extra, f"--output.directory={directory}"], env=env, capture_output=True,
                         text=True, timeout=900)
 
 
@@ -111,6 +115,47 @@ def test_the_thrice_killed_run_ends_with_the_uninterrupted_runs_metrics(killed_t
   assert any(r["grad_norm"] > 0 for r in whole[:-1])  # later steps saw changed weights
   assert _without_timing(resumed) == _without_timing(whole)
   assert sorted(os.listdir(root / "killed" / "checkpoints")) == ["2", "3", "4"]
+
+
+# ---------------------------------------------------------------- async resume
+
+# Rollouts on one device, updates on another, batches up to two updates old: when
+# checkpoint 1 is written, batches 1 and 2 (of policy version 0) are in flight.
+ASYNC = ["--rl.mode=async", "--rl.rollout_devices=1", "--rl.train_devices=1",
+         "--rl.max_policy_lag=2"]
+
+
+@pytest.fixture(scope="module")
+def async_killed(tmp_path_factory):
+  """An uninterrupted async run, and one SIGKILLed right after checkpoint 1 then
+  resumed to the end, from the same warm start."""
+  root = tmp_path_factory.mktemp("async_faults")
+  cache = root / "jax_cache"
+  whole = _fault_run("none", root / "whole", cache, *ASYNC, devices=2)
+  assert whole.returncode == 0, whole.stdout + whole.stderr
+  shutil.copytree(root / "whole" / "warm_start", root / "killed" / "warm_start")
+  killed = _fault_run("saved:1", root / "killed", cache, *ASYNC, devices=2)
+  assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+  checkpoints = sorted(os.listdir(root / "killed" / "checkpoints"))
+  resumed = _fault_run("none", root / "killed", cache, *ASYNC, devices=2)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  return dict(root=root, checkpoints=checkpoints, resumed=resumed)
+
+
+def test_a_killed_async_run_resumes_with_the_uninterrupted_runs_policy_versions_and_metrics(
+    async_killed):
+  root = async_killed["root"]
+  assert async_killed["checkpoints"] == ["1"]
+  assert "resumed from checkpoint step 1" in async_killed["resumed"].stdout
+  whole = read_jsonl(root / "whole" / "metrics.jsonl")
+  resumed = read_jsonl(root / "killed" / "metrics.jsonl")
+  assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+  # Batches 1 and 2 were generated before update 0: resumed, they still train on
+  # version 0 (not on the restored version 1), and batch 3 on version 1.
+  assert [r["policy_version"] for r in whole] == [0, 0, 0, 1]
+  assert [r["policy_version"] for r in resumed] == [0, 0, 0, 1]
+  assert any(r["grad_norm"] > 0 for r in whole[:-1])  # versions differ in their weights
+  assert _without_timing(resumed) == _without_timing(whole)
 
 
 # ---------------------------------------------------------------- numerics

@@ -17,6 +17,13 @@ trajectories and metrics travel the same way, so the two meshes may sit on diffe
 hosts. Every process runs this same loop (multi-controller JAX). The ratio
 correction for stale rollouts is the learner's truncated importance sampling
 (``GRPOConfig.tis_cap``) between the trainer's log-probs and the rollout's.
+
+Resuming exactly: when update u - 1 is done, batches u .. u + max_policy_lag - 1 are
+already generated (or generating) from policy versions older than u, which a
+checkpoint of the train state alone no longer holds. ``in_flight()`` hands them back
+as host data to checkpoint with the state, and ``run(..., in_flight=...)`` trains on
+them instead of generating them anew, so a resumed run takes the uninterrupted run's
+steps.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -36,7 +44,9 @@ from specrl_jax.config import ConfigError, SpecConfig, check
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.mesh import batch_sharding
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
-from specrl_jax.rl.learner import LearnerConfig, TrainState, make_log_prob_step, make_train_step
+from specrl_jax.rl.learner import (
+    Batch, LearnerConfig, TrainState, make_log_prob_step, make_train_step,
+)
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.sync import (
     RolloutConfig, Trajectories, make_rollout, rollout_metrics, to_host,
@@ -74,6 +84,29 @@ class StepRecord:
   update: int
   state: TrainState
   metrics: dict[str, Any]
+
+
+_REST = ("rewards_R", "lengths_R", "counters", "exhausted", "policy_version")
+
+
+def _host_batch(batch: int, trajectories: Trajectories) -> dict[str, Any]:
+  """One in-flight batch as numpy data (Batch fields left None are left out)."""
+  rows = {field.name: getattr(trajectories.batch, field.name)
+          for field in dataclasses.fields(Batch)
+          if getattr(trajectories.batch, field.name) is not None}
+  return {"batch": np.asarray(batch, np.int64), "rows": rows,
+          **{name: getattr(trajectories, name) for name in _REST}}
+
+
+@dataclasses.dataclass
+class _Started:
+  """A batch dispatched (or restored) and not trained on yet."""
+  batch: int
+  version: int
+  started: float
+  trajectories: Trajectories
+  ready: concurrent.futures.Future
+  on_train_mesh: bool = False
 
 
 def _when_ready(pool: concurrent.futures.Executor, tree) -> concurrent.futures.Future:
@@ -125,6 +158,7 @@ class AsyncPipeline:
     self._train_rows = batch_sharding(train_mesh)
     # (update, policy version) of every batch trained on: the lag record tests read.
     self.trained_on: list[tuple[int, int]] = []
+    self._in_flight: collections.deque[_Started] = collections.deque()
 
   # -------------------------------------------------------------- weights and data
 
@@ -148,25 +182,66 @@ class AsyncPipeline:
     return layout, drafter_layout
 
   def _to_train_mesh(self, trajectories: Trajectories) -> Trajectories:
-    replicated = NamedSharding(self.train_mesh, P())
-    batch_layout = jax.tree.map(lambda x: self._train_rows, trajectories.batch)
-    rest = ("rewards_R", "lengths_R", "counters", "exhausted", "policy_version")
-    batch, moved = distributed.transfer(
-        (trajectories.batch, {name: getattr(trajectories, name) for name in rest}),
-        (batch_layout, {name: jax.tree.map(lambda x: replicated, getattr(trajectories, name))
-                        for name in rest}))
+    parts = (trajectories.batch, {name: getattr(trajectories, name) for name in _REST})
+    batch, moved = distributed.transfer(parts, self._train_layout(parts))
     return trajectories.replace(batch=batch, **moved)
+
+  def _train_layout(self, parts):
+    """Where (batch, the rest) of trajectories go on the train mesh: rows split as
+    the learner takes them, the rest replicated."""
+    batch, rest = parts
+    replicated = NamedSharding(self.train_mesh, P())
+    return (jax.tree.map(lambda x: self._train_rows, batch),
+            jax.tree.map(lambda x: replicated, rest))
+
+  def in_flight(self) -> dict[str, Any]:
+    """The batches started and not trained on yet, with the policy version each
+    came from, as numpy data (the same on every process; every process must call
+    it): what a checkpoint of the state after the last update yielded needs for
+    ``run(..., in_flight=...)``. Waits for their rollouts."""
+    started = list(self._in_flight)
+    host = distributed.fetch([s.trajectories for s in started])
+    return {"count": np.asarray(len(started), np.int32),
+            **{str(index): _host_batch(s.batch, trajectories)
+               for index, (s, trajectories) in enumerate(zip(started, host))}}
+
+  def _restore(self, in_flight: dict[str, Any], first_update: int, end: int,
+               pool: concurrent.futures.Executor) -> list[_Started]:
+    """``in_flight()``'s batches (those before ``end``) on the train mesh."""
+    restored = []
+    for index in range(int(in_flight["count"])):
+      host = in_flight[str(index)]
+      batch = int(host["batch"])
+      if batch != first_update + index:
+        raise ConfigError(f"in-flight batch {index} is batch {batch}; resuming at update "
+                         f"{first_update} expects batch {first_update + index}.")
+      if batch >= end:
+        break
+      parts = (Batch(**host["rows"]), {name: host[name] for name in _REST})
+      # Each process supplies its own devices' slices of the host copy it holds.
+      rows, rest = jax.tree.map(
+          lambda x, sharding: jax.make_array_from_callback(
+              np.shape(x), sharding, lambda where, x=np.asarray(x): x[where]),
+          parts, self._train_layout(parts))
+      trajectories = Trajectories(batch=rows, **rest)
+      restored.append(_Started(batch, int(host["policy_version"]), time.perf_counter(),
+                               trajectories, _when_ready(pool, trajectories),
+                               on_train_mesh=True))
+    return restored
 
   # -------------------------------------------------------------- the loop
 
   def run(self, state: TrainState, *, first_update: int, num_updates: int,
           prompts_of: Callable[[int], PromptBatch], rng_of: Callable[[int], jax.Array],
-          max_policy_lag: int | None = None) -> Iterator[StepRecord]:
+          max_policy_lag: int | None = None,
+          in_flight: dict[str, Any] | None = None) -> Iterator[StepRecord]:
     """Yields one StepRecord per update in [first_update, first_update + num_updates).
 
     prompts_of(b) / rng_of(b): the host prompts and the rollout key of batch b (batch
     b is the one update b trains on). max_policy_lag overrides the pipeline's bound
-    for this run (the compiled programs do not depend on it).
+    for this run (the compiled programs do not depend on it). in_flight: what
+    ``in_flight()`` returned right after update first_update - 1 (resuming): those
+    batches are trained on as they are, the rest generated as the schedule says.
     """
     lag = self.max_policy_lag if max_policy_lag is None else max_policy_lag
     check(isinstance(lag, int) and lag >= 0, "AsyncPipeline.run", "max_policy_lag", lag,
@@ -174,8 +249,9 @@ class AsyncPipeline:
     end = first_update + num_updates
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
     pushed, pushed_version = self.push_weights(state), first_update
-    in_flight: collections.deque = collections.deque()
-    next_batch = first_update
+    self._in_flight = started_batches = collections.deque(
+        [] if in_flight is None else self._restore(in_flight, first_update, end, pool))
+    next_batch = first_update + len(started_batches)
     last_rollout_ready = last_train_ready = time.perf_counter()
     previous_yield = time.perf_counter()
     try:
@@ -188,14 +264,16 @@ class AsyncPipeline:
           started = time.perf_counter()
           trajectories = self._rollout(pushed[0], pushed[1], prompts, rng_of(next_batch),
                                        pushed_version)
-          in_flight.append((next_batch, pushed_version, started, trajectories,
-                            _when_ready(pool, trajectories)))
+          started_batches.append(_Started(next_batch, pushed_version, started, trajectories,
+                                          _when_ready(pool, trajectories)))
           next_batch += 1
-        batch, version, started, trajectories, ready = in_flight.popleft()
-        assert batch == update
+        batch = started_batches.popleft()
+        assert batch.batch == update
+        version, started, ready = batch.version, batch.started, batch.ready
         check_lag(update, version, lag)
         self.trained_on.append((update, version))
-        trajectories = self._to_train_mesh(trajectories)
+        trajectories = (batch.trajectories if batch.on_train_mesh
+                        else self._to_train_mesh(batch.trajectories))
         rollout_stats = rollout_metrics(trajectories, self.max_new_tokens)
         train_started = time.perf_counter()
         state, metrics = self._train(state, trajectories)
@@ -219,4 +297,5 @@ class AsyncPipeline:
         previous_yield = now
         yield StepRecord(update=update, state=state, metrics=host)
     finally:
+      self._in_flight = collections.deque()
       pool.shutdown(wait=True)

@@ -171,18 +171,20 @@ class Session:
   def checkpoint_mesh(self, train_mesh):
     return checkpoint_mesh(train_mesh)
 
-  def restore_or_init(self, manager, models, online, mesh, checkpoint_mesh=None) -> TrainState:
-    """The latest finite checkpoint's state (resuming), else a fresh one. A checkpoint
-    holding a NaN or infinity (written before the finite-update guard existed) is
-    deleted with a warning and the one before it is tried."""
+  def restore_or_init(self, manager, models, online, mesh, checkpoint_mesh=None
+                      ) -> tuple[TrainState, dict[str, Any] | None]:
+    """(state, in_flight): the latest finite checkpoint's state and the async batches
+    saved with it (resuming), else a fresh state and None. A checkpoint holding a NaN
+    or infinity (written before the finite-update guard existed) is deleted with a
+    warning and the one before it is tried."""
     checkpoint_mesh = mesh if checkpoint_mesh is None else checkpoint_mesh
     if not (self.config.output.resume and manager.all_steps()):
-      return self.initial_state(models, online, mesh)
+      return self.initial_state(models, online, mesh), None
     abstract = self._abstract_state(models, online, checkpoint_mesh)
     first_bad = jax.jit(numerics.first_nonfinite_leaf)
     for step in reversed(manager.all_steps()):
       try:
-        state = manager.restore(abstract, step=step)
+        state, in_flight = manager.restore_with_in_flight(abstract, step=step)
       except Exception as error:  # orbax raises whatever its reader hit
         raise ConfigError(
             f"checkpoint step {step} in {manager.directory} does not fit this "
@@ -196,12 +198,16 @@ class Session:
                f"{numerics.leaf_name(state, bad)}: deleted, trying the one before")
       manager.delete(step)
     else:
-      return self.initial_state(models, online, mesh)
+      return self.initial_state(models, online, mesh), None
     if checkpoint_mesh is not mesh:
       state = distributed.transfer(state, jax.tree.map(
           lambda leaf: leaf.sharding, self._abstract_state(models, online, mesh)))
     self.log(f"resumed from checkpoint step {step} in {manager.directory}")
-    return state
+    if in_flight is None and self.config.rl.mode == "async" and step < self.config.rl.steps:
+      self.log(f"warning: checkpoint step {step} holds no in-flight batches (written by an "
+               "older version): they are generated anew from its weights, so this run "
+               "departs from an uninterrupted one")
+    return state, in_flight
 
   # ------------------------------------------------------------ training
 
@@ -227,7 +233,8 @@ class Session:
                                                 async_save=False)
     checkpoint_mesh = self.checkpoint_mesh(train_mesh)
     try:
-      state = self.restore_or_init(manager, models, online, train_mesh, checkpoint_mesh)
+      state, in_flight = self.restore_or_init(manager, models, online, train_mesh,
+                                              checkpoint_mesh)
     except BaseException:
       manager.close()
       raise
@@ -249,6 +256,7 @@ class Session:
       from tqdm import tqdm
       progress = tqdm(total=config.rl.steps, initial=start, desc="GRPO", unit="step",
                       dynamic_ncols=True, file=sys.stderr)
+    in_flight_now = lambda: None  # sync: nothing outlives a step
     try:
       if config.rl.mode == "sync":
         # Reused across train() calls of this session when nothing it compiled changed.
@@ -270,7 +278,9 @@ class Session:
                                  online=online, spec=spec, engine=self.engine)
         records = ((r.update, r.state, r.metrics) for r in pipeline.run(
             state, first_update=start, num_updates=len(steps),
-            prompts_of=self.step_prompts, rng_of=self.step_rng))
+            prompts_of=self.step_prompts, rng_of=self.step_rng, in_flight=in_flight))
+        # Saved with each checkpoint: resuming trains on exactly these batches.
+        in_flight_now = pipeline.in_flight
       last_saved = manager.latest_step()
       collapse = CollapseDetector(config.output.collapse_window)
       if writer is not None:  # the steps kept from before a resume count too
@@ -294,7 +304,8 @@ class Session:
         done = step + 1
         every = config.output.checkpoint_every
         if (every and done % every == 0) or done == config.rl.steps:
-          manager.save(done, to_save(state), force=True)
+          manager.save(done, to_save(state), force=True,
+                       in_flight=in_flight_now())
           last_saved = done
           self.log(f"checkpoint saved step={done}")
     finally:
