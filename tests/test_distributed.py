@@ -317,8 +317,10 @@ def test_two_processes_take_the_sync_rl_steps_of_one(rl_runs):
   assert '"steps": 2' in summary and '"steps"' not in quiet
 
 
+# Async meshes are sized by rollout_devices and train_devices; rl.mesh gives them only
+# a tensor size (here 1).
 ASYNC_ARGS = ["--rl.mode=async", "--rl.rollout_devices=4", "--rl.train_devices=4",
-              "--rl.max_policy_lag=1"]
+              "--rl.max_policy_lag=1", "--rl.mesh=1,1,1"]
 
 
 @pytest.fixture(scope="module")

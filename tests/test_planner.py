@@ -19,7 +19,7 @@ from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConf
 from specrl_jax.kv.planner import (MemoryBudgetError, bytes_per_page, kv_heads_per_device,
                                    plan_memory)
 from specrl_jax.parallel.create import create_model
-from specrl_jax.sampling import rollout as rollout_programs
+from specrl_jax.sampling.programs import PROGRAMS
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.generate import generate, prepare
 
@@ -154,10 +154,10 @@ def test_a_batch_the_planner_admits_decodes_to_the_end(model, drafter):
 def test_one_slot_more_is_refused_before_compiling_with_the_numbers(model):
   engine = EngineConfig(page_size=PAGE, num_slots=4,
                         memory_budget_bytes=budget_for_slots(model, 3))
-  compiled = rollout_programs._generate._cache_size()
+  compiled = PROGRAMS.info()["compiles"]
   with pytest.raises(MemoryBudgetError) as error:
     generate(model, PROMPTS, sampling=SAMPLING, engine=engine)
-  assert rollout_programs._generate._cache_size() == compiled
+  assert PROGRAMS.info()["compiles"] == compiled
   message = str(error.value)
   config = model.config
   page_bytes = config.num_layers * 2 * config.num_kv_heads * PAGE * config.head_dim * 4
