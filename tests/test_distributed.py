@@ -36,6 +36,9 @@ LIMIT = 400
 TRAIN_ARGS = ["--preset=tiny", "--policy.num_layers=1", "--warm_start.sft_steps=60",
               "--drafter.kind=none",
               "--rl.steps=2", "--rl.mesh=2,2,2", "--rl.prompts_per_step=4",
+              # One slot per shard: the decode order whose samples earn some reward
+              # (the tiny preset's num_slots=0 now gives each sample its own slot).
+              "--rl.num_slots=1",
               "--output.checkpoint_every=0", "--output.tensorboard=false",
               "--output.progress=false"]
 TIMING = ("step_seconds", "samples_per_second", "tokens_per_second")
@@ -319,8 +322,8 @@ def test_two_processes_take_the_sync_rl_steps_of_one(rl_runs):
 
 # Async meshes are sized by rollout_devices and train_devices; rl.mesh gives them only
 # a tensor size (here 1).
-ASYNC_ARGS = ["--rl.mode=async", "--rl.rollout_devices=4", "--rl.train_devices=4",
-              "--rl.max_policy_lag=1", "--rl.mesh=1,1,1"]
+ASYNC_ARGS = ["--rl.mesh=1,1,1", "--rl.mode=async", "--rl.rollout_devices=4",
+              "--rl.train_devices=4", "--rl.max_policy_lag=1"]
 
 
 @pytest.fixture(scope="module")

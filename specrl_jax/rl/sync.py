@@ -225,7 +225,7 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
   # stay sharded and the compiler splits every layer and the KV pages' heads with them.
   sharded = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), rows, rows, rows, P()),
                           out_specs=(rows, rows, rows, rows, rows, rows),
-                          axis_names=manual_axes(mesh), check_vma=False)
+                          axis_names=rollout_manual_axes(mesh), check_vma=False)
 
   def rollout(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories:
     # Gathered over fsdp here, once: left to the partitioner, the gathers of weights
@@ -246,6 +246,14 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lear
                         exhausted=jnp.any(exhausted), policy_version=jnp.asarray(version, jnp.int32))
 
   return rollout
+
+
+def rollout_manual_axes(mesh: Mesh) -> set[str]:
+  """Heads are split over "tensor" inside the rollout only on meshes without batch
+  shards: with data * fsdp > 1 each batch shard decodes with whole weights, replicated
+  over its tensor group (a two-process (2, 2, 2) sync run with split heads trained on
+  zero gradients, unexplained yet)."""
+  return manual_axes(mesh) if data_parallel_size(mesh) == 1 else set(mesh.axis_names)
 
 
 def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str, Array]:
