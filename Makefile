@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m specrl_jax.cli demo
 
 # The default suite covers every verification mode, temperature, warp and k through a
-# pairwise covering design; test-full adds the full cross product (marked slow, ~20 min).
+# pairwise covering design; test-full adds the full cross product and the one timed test (marked slow, ~25 min).
 test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 tests
 

@@ -7,16 +7,20 @@ on k = 1 at batch 1, and each run's measured acceptance; it then predicts the th
 other (batch, k) decode times. The README's figure is the same comparison on the
 38M-parameter pair (every point within 20%).
 
-This is the one test that times anything: predictions and measurements come from the
-same process minutes apart, and the pass bar allows for a shared machine (the median
-held-out error within 20%, none beyond 50%, which still catches a wrong round count,
-a missing drafter cost or a mis-modelled batch tail).
+This is the one test that times anything, so it is marked slow (`make test-full`), out
+of the default suite: predictions and measurements come from the same process minutes
+apart, and on a shared machine (CI's two cores run two test workers) the other worker's
+load moved one run by 25% against the pieces timed a minute later. The pass bar (the
+median held-out error within 20%, none beyond 50%) still catches a wrong round count, a
+missing drafter cost or a mis-modelled batch tail; the cost model's arithmetic is
+checked without timing in tests/test_sim.py.
 """
 
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import specrl_jax as sj
@@ -52,6 +56,7 @@ def measure_and_predict(target, draft):
   return errors, table
 
 
+@pytest.mark.slow
 def test_the_cost_model_predicts_our_plain_and_speculative_decode_times():
   target = sj.Transformer(TARGET, rngs=nnx.Rngs(0))
   draft = sj.Transformer(DRAFT, rngs=nnx.Rngs(1))
