@@ -11,7 +11,7 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import online_drafters, sync, tasks
+from specrl_jax.rl import experiment, online_drafters, sync, tasks
 
 TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
 POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
@@ -129,3 +129,45 @@ def test_a_tensor_parallel_rollout_samples_what_one_device_samples():
   assert two_state.params["layers"][0]["attn"]["q_proj"].value.sharding.spec[1] == "tensor"
   state, metrics = two.rl_step(_copy(two, two_state), *_inputs(two, 1))
   assert np.isfinite(sync.to_host(metrics)["loss"]) and int(state.step) == 1
+
+
+def _budget_for_slots(num_slots: int) -> int:
+  """Bytes per device that hold the policy's float32 weights, the trash page, the
+  step's prompts' pages and ``num_slots`` whole sequences, in pages of 16 tokens."""
+  page_bytes = 2 * POLICY.num_kv_heads * 16 * POLICY.head_dim * 4 * POLICY.num_layers
+  width = -(-PROMPTS.tokens_PxT.shape[1] // 16) * 16
+  sequence_pages = -(-(width + SAMPLING.max_new_tokens + 1) // 16)
+  prompt_pages = ROLLOUT.prompts_per_step * (width // 16)
+  pages = 1 + prompt_pages + num_slots * sequence_pages
+  return POLICY.num_params() * 4 + pages * page_bytes
+
+
+def test_a_memory_budget_sizes_the_rollouts_slots_and_refuses_what_cannot_fit():
+  """With num_slots=0 the rollout decodes as many samples at once as the budget holds
+  (3 of 16 here, the rest queued), and a slot count past it is refused when the
+  program is built, before anything compiles."""
+  mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  graphdef, params = nnx.split(sj.Transformer(POLICY, rngs=nnx.Rngs(0)))
+  state = rl.init_train_state(params, LEARNER, mesh, rng=jax.random.key(0))
+
+  def build(**engine):
+    return sync.build_program(graphdef, POLICY, TASK, LEARNER, ROLLOUT, mesh, state,
+                              prompt_width=PROMPTS.tokens_PxT.shape[1],
+                              engine=sj.EngineConfig(**engine))
+
+  with pytest.raises(sj.MemoryBudgetError, match="At most 3 sequences"):
+    build(num_slots=4, memory_budget_bytes=_budget_for_slots(3))
+  program = build(num_slots=0, memory_budget_bytes=_budget_for_slots(3))
+  trajectories = program.rollout_jit(state, *_inputs(program, 0))
+  metrics = sync.to_host(sync.rollout_metrics(trajectories, SAMPLING.max_new_tokens))
+  assert metrics["rollout_slots"] == 3
+  assert not metrics["pool_exhausted"]
+  assert np.all(np.asarray(trajectories.lengths_R) > 0)
+
+
+def test_the_rl_config_passes_its_memory_budget_to_the_engine():
+  config = experiment.experiment_config("tiny", ["--rl.memory_budget_bytes=123456789",
+                                                    "--rl.num_slots=0"])
+  assert config.rl.engine() == sj.EngineConfig(num_slots=0, memory_budget_bytes=123456789)
+  with pytest.raises(sj.ConfigError, match="memory_fraction"):
+    experiment.experiment_config("tiny", ["--rl.memory_fraction=1.5"])

@@ -18,6 +18,7 @@ from specrl_jax.models import tokenizer
 from specrl_jax.rl.learner import LearnerConfig
 from specrl_jax.rl.losses import GRPOConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
+from specrl_jax.sampling.engine import EngineConfig
 
 
 def _positive(owner, name, value):
@@ -149,7 +150,12 @@ class RLSection:
 
   mesh: (data, fsdp, tensor) of the sync mesh; rollouts split weights and KV heads over
   tensor and requests over data * fsdp. In async mode only (1, 1, T): both meshes
-  split heads T ways."""
+  split heads T ways.
+
+  memory_budget_bytes / memory_fraction: size each rollout shard's KV page pool from a
+  byte budget per device (weights included) or a share of the device's free memory, as
+  ``EngineConfig`` does; with num_slots=0 the rollout then decodes as many samples at
+  once as fit, and a num_slots that cannot fit is refused before anything compiles."""
   mode: str = "sync"
   steps: int = 30
   group_size: int = 8
@@ -160,6 +166,8 @@ class RLSection:
   clip_eps_high: float = 0.28
   tis_cap: float = 2.0
   num_slots: int = 8
+  memory_budget_bytes: int | None = None
+  memory_fraction: float | None = None
   max_policy_lag: int = 1
   mesh: tuple[int, int, int] = (1, 1, 1)
   rollout_devices: int = 1
@@ -173,6 +181,7 @@ class RLSection:
       _positive(owner, name, getattr(self, name))
     check(isinstance(self.num_slots, int) and self.num_slots >= 0, owner, "num_slots",
           self.num_slots, "an integer >= 0 (0 = one slot per sample)")
+    self.engine()  # the engine's own checks of the memory settings
     check(isinstance(self.max_policy_lag, int) and self.max_policy_lag >= 0, owner,
           "max_policy_lag", self.max_policy_lag, "an integer >= 0")
     _number(owner, "temperature", self.temperature, lambda v: v > 0,
@@ -194,6 +203,10 @@ class RLSection:
         check(getattr(self, name) % tensor == 0, owner, name, getattr(self, name),
               f"a multiple of the tensor size {tensor} of RLSection.mesh")
     self.learner(1)  # the learner's own checks, now rather than after the warm start
+
+  def engine(self) -> EngineConfig:
+    return EngineConfig(num_slots=self.num_slots, memory_budget_bytes=self.memory_budget_bytes,
+                        memory_fraction=self.memory_fraction)
 
   def learner(self, max_new_tokens: int) -> LearnerConfig:
     sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,

@@ -53,7 +53,6 @@ from specrl_jax.rl.sync import (
 )
 from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
 from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
-from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.generate import PagePoolExhaustedError
 
 __all__ = ["Models", "Session", "TrainingDivergedError", "main", "parse_argv"]
@@ -73,7 +72,7 @@ class Session:
     self.learner = config.rl.learner(self.task.max_response_tokens)
     self.rollout_config = RolloutConfig(group_size=config.rl.group_size,
                                         prompts_per_step=config.rl.prompts_per_step)
-    self.engine = EngineConfig(num_slots=config.rl.num_slots)
+    self.engine = config.rl.engine()
     self.spec = SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
     self.timings: dict[str, float] = {}
 
