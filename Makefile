@@ -1,36 +1,47 @@
-# `make demo` and `make test` bootstrap .venv themselves; the install step reruns only
-# when pyproject.toml changes (the stamp file is older than it).
+# `make demo` and `make test` bootstrap .venv themselves. `make demo` installs the
+# runtime dependencies alone (no torch, transformers or jupyter); `make test` and the
+# results targets add the test extra on top. Each install step reruns only when
+# pyproject.toml changes (its stamp file is older than it).
 PYTHON ?= python3
 VENV := .venv
-STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+TEST_STAMP := $(VENV)/.installed-test
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
 .PHONY: demo test test-full results results-quick bench clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
 
-demo: $(STAMP)
+$(RUNTIME_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $(RUNTIME_STAMP)
+
+# The test extra includes the runtime dependencies, so this stamp implies the runtime one.
+$(TEST_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(TEST_STAMP) $(RUNTIME_STAMP)
+
+demo: $(RUNTIME_STAMP)
 	$(PY) -m specrl_jax.cli demo
 
 # The default suite covers every verification mode, temperature, warp and k through a
-# pairwise covering design; test-full adds the full cross product and the one timed test (marked slow, ~25 min).
-test: $(STAMP)
+# pairwise covering design; test-full adds the full cross
+# product and the one timed test (both marked slow, ~25 min more).
+test: $(TEST_STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 tests
 
-test-full: $(STAMP)
+test-full: $(TEST_STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache results
 
 # Regenerates every README figure and table into results/ (hours on 2 cores; reuses artifacts/).
-results: $(STAMP)
+results: $(TEST_STAMP)
 	$(PY) experiments/results.py
 
-results-quick: $(STAMP)
+results-quick: $(TEST_STAMP)
 	$(PY) experiments/results.py --quick

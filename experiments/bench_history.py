@@ -55,7 +55,8 @@ from specrl_jax.sampling.generate import prepare, rollout  # noqa: E402
 from specrl_jax.speculative.drafters import training  # noqa: E402
 from specrl_jax.speculative.drafters.ngram import NGram  # noqa: E402
 from specrl_jax.speculative.drafters.eagle3 import Eagle3  # noqa: E402
-from specrl_jax.speculative.drafters.history import History, HistoryConfig  # noqa: E402
+from specrl_jax.speculative.drafters.history import History  # noqa: E402
+from specrl_jax.speculative.drafters.history_store import HistoryConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

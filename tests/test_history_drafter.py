@@ -31,8 +31,9 @@ from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.generate import generate
 from specrl_jax.speculative.drafters.base import RoundInputs
 from specrl_jax.speculative.drafters.history import (SOURCE_FALLBACK, SOURCE_HISTORY,
-                                                     SOURCE_NONE, History, HistoryConfig,
-                                                     HistoryStore, prompt_key, prompt_keys)
+                                                     SOURCE_NONE, History)
+from specrl_jax.speculative.drafters.history_store import (HistoryConfig, HistoryStore,
+                                                           prompt_key, prompt_keys)
 from specrl_jax.speculative.drafters.matching import (extend_runs, longest_match_log_probs,
                                                       suffix_runs)
 from specrl_jax.speculative.verify import Verdict

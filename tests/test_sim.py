@@ -28,7 +28,7 @@ from specrl_jax.sim import (HARDWARE, MODELS, PAPER_FIGURES, EngineProfile, Fixe
                             write_heatmap)
 from specrl_jax.sim.command import main as simulate_main
 from specrl_jax.sim.presets import PAPER_8B_CALIBRATION, paper_8b_setups, with_speculation
-from specrl_jax.sim.rollout import LinearCost
+from specrl_jax.sim.roofline import LinearCost
 
 PAPER_8B = ("paper-8b-rl-zero", "paper-8b-rl-think")
 

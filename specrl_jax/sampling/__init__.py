@@ -1,0 +1,19 @@
+"""Plain sampling: the decode engine, its programs and layout, prefill and the logits
+warp. ``sj.generate`` is the public entry point; ``generate``, ``prefill`` and
+``rollout`` are also submodule names here, so the face leaves them out."""
+
+from specrl_jax.lazy import lazy_face
+
+_SOURCES = {
+    "EngineConfig": "engine",
+    "GenerateOutput": "results",
+    "PagePoolExhaustedError": "results",
+    "plan_engine_memory": "memory",
+    "prepare": "layout",
+    "program_cache_info": "programs",
+    "set_program_cache_size": "programs",
+    "sample_tokens": "warp",
+    "warped_log_probs": "warp",
+}
+__all__ = sorted(_SOURCES)
+__getattr__, __dir__ = lazy_face(__name__, _SOURCES)

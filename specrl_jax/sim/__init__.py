@@ -13,9 +13,9 @@ from specrl_jax.sim.model_spec import (MODELS, DrafterSpec, ModelSpec, draft_mod
                                        eagle3_drafter, get_model, mtp_drafter, ngram_drafter)
 from specrl_jax.sim.presets import PAPER_FIGURES, PRESETS, calibrate_paper_8b, get_preset
 from specrl_jax.sim.report import breakdown_table, comparison_json, speedup_grid, write_heatmap
-from specrl_jax.sim.rollout import (EngineProfile, ForwardCostModel, RolloutResult,
-                                    RolloutWorkload, SpeculationSpec, acceptance_from_length,
-                                    expected_tokens_per_round, simulate_rollout)
+from specrl_jax.sim.roofline import (EngineProfile, ForwardCostModel, SpeculationSpec,
+                                     acceptance_from_length, expected_tokens_per_round)
+from specrl_jax.sim.rollout import RolloutResult, RolloutWorkload, simulate_rollout
 from specrl_jax.sim.step import (Comparison, SimulationSetup, StepBreakdown, StepSpec,
                                  simulate, simulate_step)
 

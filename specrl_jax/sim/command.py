@@ -17,7 +17,7 @@ from specrl_jax.sim.model_spec import (MODELS, draft_model_drafter, eagle3_draft
                                        get_model, mtp_drafter, ngram_drafter)
 from specrl_jax.sim.presets import PAPER_FIGURES, PRESETS, get_preset
 from specrl_jax.sim.report import breakdown_table, comparison_json, speedup_grid, write_heatmap
-from specrl_jax.sim.rollout import SpeculationSpec, acceptance_from_length
+from specrl_jax.sim.roofline import SpeculationSpec, acceptance_from_length
 from specrl_jax.sim.step import SimulationSetup, simulate
 
 

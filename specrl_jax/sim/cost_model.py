@@ -26,9 +26,9 @@ import numpy as np
 
 from specrl_jax.config import check
 from specrl_jax.sim import validation
-from specrl_jax.sim.rollout import EngineProfile, ForwardCostModel, expected_tokens_per_round
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.model_spec import ModelSpec
+from specrl_jax.sim.roofline import EngineProfile, ForwardCostModel, expected_tokens_per_round
 
 _BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0}
 

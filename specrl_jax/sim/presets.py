@@ -45,8 +45,8 @@ from specrl_jax.sim.hardware import HARDWARE
 from specrl_jax.sim.layout import ParallelLayout
 from specrl_jax.sim.lengths import LogNormalLengths
 from specrl_jax.sim.model_spec import MODELS, eagle3_drafter
-from specrl_jax.sim.rollout import (EngineProfile, RolloutWorkload, SpeculationSpec,
-                                    simulate_rollout)
+from specrl_jax.sim.roofline import EngineProfile, SpeculationSpec
+from specrl_jax.sim.rollout import RolloutWorkload, simulate_rollout
 from specrl_jax.sim.step import SimulationSetup, StepSpec, simulate_step
 
 # The paper's figures, for comparison in reports and tests (seconds per step).

@@ -18,8 +18,8 @@ from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.layout import ParallelLayout
 from specrl_jax.sim.model_spec import DrafterSpec, ModelSpec
-from specrl_jax.sim.rollout import (EngineProfile, RolloutResult, RolloutWorkload,
-                                    SpeculationSpec, simulate_rollout)
+from specrl_jax.sim.roofline import EngineProfile, SpeculationSpec
+from specrl_jax.sim.rollout import RolloutResult, RolloutWorkload, simulate_rollout
 
 # EAGLE-3's training-time test unrolls the drafter on its own outputs this many steps.
 _DRAFTER_TRAINING_UNROLL = 7

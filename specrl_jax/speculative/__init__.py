@@ -1,0 +1,20 @@
+"""Speculative decoding: drafting a tree, lossless verification, the speculative round,
+catch-up of idle drafters and adaptive draft length; the drafters live in
+``speculative.drafters``. ``verify`` is also a submodule name here, so the face leaves
+the function out (``speculative.verify.verify``)."""
+
+from specrl_jax.lazy import lazy_face
+
+_SOURCES = {
+    "DraftLengthController": "adaptive",
+    "DraftTree": "drafting",
+    "TreeTopology": "topology",
+    "Verdict": "verify",
+    "catch_up_drafter": "catch_up",
+    "choose_children": "drafting",
+    "draft_tree": "drafting",
+    "generate_adaptive": "adaptive_generate",
+    "speculative_round": "round",
+}
+__all__ = sorted(_SOURCES)
+__getattr__, __dir__ = lazy_face(__name__, _SOURCES)
