@@ -51,7 +51,7 @@ from specrl_jax.rl.experiment import ModelSection  # noqa: E402
 from specrl_jax.rl.sft import SFTConfig, train_sft  # noqa: E402
 from specrl_jax.rl.tasks import Arithmetic, make_prompt_set  # noqa: E402
 from specrl_jax.sampling.engine import EngineConfig  # noqa: E402
-from specrl_jax.sampling.generate import prepare, rollout  # noqa: E402
+from specrl_jax.speculative.generate import prepare, rollout  # noqa: E402
 from specrl_jax.speculative.drafters import training  # noqa: E402
 from specrl_jax.speculative.drafters.ngram import NGram  # noqa: E402
 from specrl_jax.speculative.drafters.eagle3 import Eagle3  # noqa: E402

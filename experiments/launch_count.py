@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.config import PRESETS  # noqa: E402
 from specrl_jax.kernels import ATTENTION_CHOICES  # noqa: E402
-from specrl_jax.sampling import generate as generate_module, rollout as rollout_programs  # noqa: E402
+from specrl_jax.speculative import generate as generate_module, rollout as rollout_programs  # noqa: E402
 
 FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
         "partition-id", "replica-id", "opt-barrier"}

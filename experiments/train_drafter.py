@@ -163,7 +163,7 @@ def online_vs_frozen(target, weak: Eagle3, steps: int) -> dict:
       static = weak.params()
       online = online_drafters.OnlineDrafter(
           drafter=weak, trainable=weak.weights,
-          objective=training.online_objective(weak, loss_weight=1.0, unroll_steps=K),
+          objective=online_drafters.online_objective(weak, loss_weight=1.0, unroll_steps=K),
           rollout_params=lambda trainable: dict(static, weights=trainable))
     state = rl.init_train_state(params, learner, mesh, rng=jax.random.key(0),
                                 drafter_params=online.trainable if online else None)

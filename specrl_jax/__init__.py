@@ -12,7 +12,7 @@ from specrl_jax.models.hf import HFFormatError, load_hf, load_tokenizer, save_hf
 from specrl_jax.models.transformer import ForwardOutput, Transformer
 from specrl_jax.parallel.create import create_model
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import GenerateOutput, PagePoolExhaustedError, generate
+from specrl_jax.speculative.generate import GenerateOutput, PagePoolExhaustedError, generate
 
 __all__ = [
     "ConfigError", "EngineConfig", "ForwardOutput", "GenerateOutput", "HFFormatError",

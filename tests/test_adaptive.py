@@ -9,7 +9,7 @@ import pytest
 from specrl_jax import drafters, testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import generate
+from specrl_jax.speculative.generate import generate
 from specrl_jax.speculative.adaptive import DraftLengthController
 
 VOCAB = 12

@@ -28,7 +28,7 @@ import pytest
 from specrl_jax import drafters, testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import generate
+from specrl_jax.speculative.generate import generate
 from specrl_jax.speculative.drafters.base import RoundInputs
 from specrl_jax.speculative.drafters.history import (SOURCE_FALLBACK, SOURCE_HISTORY,
                                                      SOURCE_NONE, History)

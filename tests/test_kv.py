@@ -242,7 +242,7 @@ def test_decode_rounds_update_the_page_pool_in_place(speculative):
   from flax import nnx
 
   import specrl_jax as sj
-  from specrl_jax.sampling import generate as engine_programs, rollout as rollout_programs
+  from specrl_jax.speculative import generate as engine_programs, rollout as rollout_programs
   config = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8)
   model = sj.Transformer(config, rngs=nnx.Rngs(0))

@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 import specrl_jax as sj
 from specrl_jax import parallel, rl, testing
+from specrl_jax.rl import online_drafters
 from specrl_jax.checkpoint import TrainCheckpointManager
 from specrl_jax.config import ConfigError
 from specrl_jax.models.attention import CausalNoCache
@@ -267,7 +268,7 @@ def test_training_time_test_computes_what_chain_decoding_computes(target, kind):
 def test_online_objective_trains_the_head_in_the_learner_and_checkpoints_with_it(
     target, rollouts, tmp_path):
   drafter = _random_drafters(target, np.arange(VOCAB))["eagle3"]
-  objective = training.online_objective(drafter, loss_weight=0.5, unroll_steps=2)
+  objective = online_drafters.online_objective(drafter, loss_weight=0.5, unroll_steps=2)
   assert objective.hidden_layers == LAYERS
   config = rl.LearnerConfig(learning_rate=1e-4, drafter_learning_rate=3e-3,
                             sampling=sj.SamplingParams(temperature=1.0))
@@ -307,8 +308,8 @@ def test_joint_training_sends_the_mtp_loss_into_the_policy(target, rollouts):
   def mtp_term_gradients(params, trainable):
     def mtp_term(params, trainable):
       weights = {"trainable": trainable, "shared": drafter.weights["shared"]}
-      total, metrics = training.joint_loss(graphdef, params, drafter, weights, tokens, mask,
-                                           loss_weight=0.3)
+      total, metrics = online_drafters.joint_loss(graphdef, params, drafter, weights, tokens,
+                                                  mask, loss_weight=0.3)
       return metrics["drafter_loss"], (total, metrics)
     return jax.grad(mtp_term, argnums=(0, 1), has_aux=True)(params, trainable)
 

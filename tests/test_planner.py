@@ -21,7 +21,7 @@ from specrl_jax.kv.planner import (MemoryBudgetError, bytes_per_page, kv_heads_p
 from specrl_jax.parallel.create import create_model
 from specrl_jax.sampling.programs import PROGRAMS
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import generate, prepare
+from specrl_jax.speculative.generate import generate, prepare
 
 PAGE = 4
 MAX_NEW = 22  # several pages per response

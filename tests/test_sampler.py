@@ -17,7 +17,7 @@ import pytest
 from specrl_jax import testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import PagePoolExhaustedError, generate
+from specrl_jax.speculative.generate import PagePoolExhaustedError, generate
 
 VOCAB = 16
 CONTEXT = 64

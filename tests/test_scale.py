@@ -18,7 +18,7 @@ from specrl_jax import drafters, parallel, testing
 from specrl_jax.config import ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.sampling import rollout as rollout_programs, sharded
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import generate, prepare
+from specrl_jax.speculative.generate import generate, prepare
 from specrl_jax.sampling.sharded import tree_bytes
 
 VOCAB = 12
@@ -87,7 +87,7 @@ def test_each_of_four_tensor_shards_holds_a_quarter_of_the_weights_and_pages(tar
   params = sharded.place_weights(params, mesh)
   inputs, rng = sharded.replicate(mesh, (inputs, jax.random.key(0)))
   state, _ = rollout_programs._start(graphdef, params, (), *inputs, rng, sampling=GREEDY,
-                                    layout=layout, drafter=None, topology=None)
+                                    layout=layout)
 
   def bytes_on(device, tree):
     return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
@@ -146,8 +146,7 @@ def test_a_bf16_target_keeps_bf16_weights_activations_and_pages(bf16_target):
   graphdef, params = nnx.split(bf16_target)
   assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
   state, _ = rollout_programs._start(graphdef, params, (), *inputs, jax.random.key(0),
-                                    sampling=GREEDY, layout=layout, drafter=None,
-                                    topology=None)
+                                    sampling=GREEDY, layout=layout)
   assert state.kv.k_pages[0].dtype == jnp.bfloat16
   out = generate(bf16_target, PROMPTS, sampling=SamplingParams(max_new_tokens=4))
   assert out.logprobs.dtype == np.float32 and np.all(out.logprobs <= 0)

@@ -27,7 +27,7 @@ from specrl_jax import drafters, testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.generate import generate
+from specrl_jax.speculative.generate import generate
 from specrl_jax.speculative.topology import TreeTopology
 
 VOCAB = 12

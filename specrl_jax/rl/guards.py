@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from specrl_jax.rl.tasks import RewardFunctionError, raise_pending_errors
-from specrl_jax.sampling.generate import PagePoolExhaustedError
+from specrl_jax.sampling.results import PagePoolExhaustedError
 
 
 class TrainingDivergedError(RuntimeError):

@@ -4,8 +4,9 @@ An ``OnlineDrafter`` says what of a drafter trains (``trainable``: the pytree th
 sits in ``TrainState.drafter_params``), how the learner trains it (a
 ``DrafterObjective``) and how the rollout reads it back (``rollout_params``), so the
 sync and async loops never look inside a drafter. Builders are registered by drafter
-class; hidden-state drafters (EAGLE-3, MTP) come from
-``specrl_jax.speculative.drafters.training``.
+class. Hidden-state drafters (EAGLE-3, MTP) train with the training-time-test loss
+(``specrl_jax.speculative.drafters.training_time_test``) through ``online_objective``;
+``joint_loss`` trains an MTP head jointly with the policy.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specrl_jax.config import SamplingParams
+from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.rl.learner import Batch, DrafterObjective
 from specrl_jax.sampling.warp import warped_log_probs
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.drafters.draft_model import DraftModel
+from specrl_jax.speculative.drafters.hidden_state import HiddenStateDrafter
+from specrl_jax.speculative.drafters.training_time_test import unrolled_loss
+
+Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,21 +89,53 @@ def _draft_model(drafter: DraftModel, *, sampling: SamplingParams, loss_weight: 
                        rollout_params=lambda trainable: trainable)
 
 
-def _register_hidden_state_drafters() -> None:
-  try:
-    from specrl_jax.speculative.drafters import training
-    from specrl_jax.speculative.drafters.hidden_state import HiddenStateDrafter
-  except ImportError:  # the EAGLE-3 / MTP modules are optional here
-    return
-
-  @register(HiddenStateDrafter)
-  def _hidden_state(drafter, *, sampling: SamplingParams, loss_weight: float) -> OnlineDrafter:
-    del sampling  # trained toward the policy's plain distribution (training-time test)
-    static = drafter.params()
-    return OnlineDrafter(
-        drafter=drafter, trainable=drafter.weights,
-        objective=training.online_objective(drafter, loss_weight=loss_weight),
-        rollout_params=lambda trainable: dict(static, weights=trainable))
+@register(HiddenStateDrafter)
+def _hidden_state(drafter: HiddenStateDrafter, *, sampling: SamplingParams, loss_weight: float
+                  ) -> OnlineDrafter:
+  del sampling  # trained toward the policy's plain distribution (training-time test)
+  static = drafter.params()
+  return OnlineDrafter(
+      drafter=drafter, trainable=drafter.weights,
+      objective=online_objective(drafter, loss_weight=loss_weight),
+      rollout_params=lambda trainable: dict(static, weights=trainable))
 
 
-_register_hidden_state_drafters()
+def online_objective(drafter: HiddenStateDrafter, *, loss_weight: float = 1.0,
+                     unroll_steps: int = 7, step_decay: float = 0.8) -> DrafterObjective:
+  """The learner hook that trains ``drafter`` every RL step on the rollout batch.
+
+  The learner calls the loss with the policy's *detached* forward (logits and the
+  layers in ``drafter.hidden_layers``) and the batch; it adds ``loss_weight`` times
+  the loss and updates the drafter weights it holds in ``TrainState.drafter_params``
+  (pass ``drafter.weights`` there; they are checkpointed with the policy). Gradients
+  never reach the shared tables, so they stay the target's copies; with the learner's
+  AdamW a zero gradient means a zero update unless weight_decay > 0.
+  """
+  def loss_fn(weights, policy_output: ForwardOutput, batch: Batch):
+    return unrolled_loss(drafter, weights, batch.tokens, policy_output, batch.response_mask,
+                         unroll_steps=unroll_steps, step_decay=step_decay)
+
+  return DrafterObjective(loss_fn=loss_fn, hidden_layers=drafter.hidden_layers,
+                          loss_weight=loss_weight)
+
+
+def joint_loss(target_graphdef: nnx.GraphDef, target_params, drafter: HiddenStateDrafter,
+               weights: dict[str, Any], tokens_BxT: Array, response_mask_BxT: Array, *,
+               loss_weight: float = 0.3, unroll_steps: int = 1
+               ) -> tuple[Array, dict[str, Array]]:
+  """Next-token cross-entropy of the target plus ``loss_weight`` times the drafter's
+  cross-entropy to the actual tokens, both differentiable in the target: MTP trained
+  jointly with the policy, as DeepSeek-V3 does (gradients flow into the target through
+  the hidden states the drafter reads; the drafter's shared tables stay frozen)."""
+  target = nnx.merge(target_graphdef, target_params)
+  out = target.forward(tokens_BxT, hidden_layers=drafter.hidden_layers)
+  mask_BxT = jnp.asarray(response_mask_BxT, jnp.float32)[:, 1:]
+  log_probs_BxTxV = jax.nn.log_softmax(out.logits[:, :-1].astype(jnp.float32), axis=-1)
+  token_log_probs_BxT = jnp.take_along_axis(log_probs_BxTxV, tokens_BxT[:, 1:, None],
+                                            axis=-1)[..., 0]
+  target_loss = -jnp.sum(token_log_probs_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
+  drafter_loss, metrics = unrolled_loss(drafter, weights, tokens_BxT, out, response_mask_BxT,
+                                        unroll_steps=unroll_steps, labels="tokens")
+  return target_loss + loss_weight * drafter_loss, dict(
+      metrics, target_loss=target_loss, drafter_loss=drafter_loss)
+

@@ -44,9 +44,9 @@ from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.sharded import engine_for_mesh, manual_axes
-from specrl_jax.sampling.layout import engine_layout, padded_width, speculation
-from specrl_jax.sampling.rollout import rollout as engine_rollout
+from specrl_jax.sampling.layout import engine_layout, padded_width
 from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.rollout import rollout as engine_rollout, speculation
 
 Array = jax.Array
 

@@ -53,7 +53,7 @@ from specrl_jax.rl.sync import (
 )
 from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
 from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
-from specrl_jax.sampling.generate import PagePoolExhaustedError
+from specrl_jax.sampling.results import PagePoolExhaustedError
 
 __all__ = ["Models", "Session", "TrainingDivergedError", "main", "parse_argv"]
 

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specrl_jax.config import SamplingParams, SpecConfig
+from specrl_jax.config import SamplingParams
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.memory import plan_engine_memory, sharded_bytes, tree_bytes
-from specrl_jax.speculative.topology import TreeTopology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,31 +54,29 @@ def tensor_shards_of(mesh: Mesh | None) -> int:
   return 1 if mesh is None else mesh.shape["tensor"]
 
 
-def prepare(config, prompts: list[list[int]], sampling: SamplingParams, engine: EngineConfig,
-            drafter=None, spec: SpecConfig | None = None, *, weight_bytes: int | None = None,
-            tensor_shards: int = 1):
+def pack(config, prompts: list[list[int]], sampling: SamplingParams, engine: EngineConfig,
+         *, rounds=None, weight_bytes: int | None = None, tensor_shards: int = 1):
   """Host-side packing of validated prompts into static-shape arrays.
 
   With a memory budget (``EngineConfig.memory_fraction`` / ``memory_budget_bytes``) the
   pool's pages and, for num_slots=0, the slots come from ``kv.planner``, and slots that
-  cannot fit raise its MemoryBudgetError here, before anything compiles. weight_bytes:
-  the target's weights on one device (default: estimated from ``config``); tensor_shards:
-  ways the KV heads are split.
+  cannot fit raise its MemoryBudgetError here, before anything compiles. rounds: the
+  round hook whose weights and KV layers share the device (``engine_layout``);
+  weight_bytes: the target's weights on one device (default: estimated from
+  ``config``); tensor_shards: ways the KV heads are split.
 
-  Returns (inputs, layout, drafter, topology, draft_mode) where inputs =
-  (tokens_UxT, lengths_U, prompt_of_request_R, last_request_U) as device arrays and the
-  rest are the static arguments of ``rollout``.
+  Returns (inputs, layout) where inputs = (tokens_UxT, lengths_U, prompt_of_request_R,
+  last_request_U) as device arrays.
   """
   unique, prompt_of_request, last_request = group_prompts(prompts)
   tokens, lengths = pack_prompts(unique, padded_width(max(len(p) for p in unique), engine))
-  drafter, topology, draft_mode = speculation(config, sampling, drafter, spec)
   layout = engine_layout(config, prompt_width=tokens.shape[1],
                          prompt_pages=int(np.sum(-(-lengths // engine.page_size))),
                          num_requests=len(prompts), sampling=sampling, engine=engine,
-                         drafter=drafter, weight_bytes=weight_bytes,
+                         drafter=rounds, weight_bytes=weight_bytes,
                          tensor_shards=tensor_shards)
   inputs = tuple(jnp.asarray(a) for a in (tokens, lengths, prompt_of_request, last_request))
-  return inputs, layout, drafter, topology, draft_mode
+  return inputs, layout
 
 
 def padded_width(longest_prompt: int, engine: EngineConfig) -> int:
@@ -101,7 +98,8 @@ def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests:
   """The static shape of a decode program, from shapes alone: prompts ``prompt_width``
   wide (padded) needing ``prompt_pages`` pages in all, and ``num_requests`` samples of
   the model ``config``. With a memory budget in ``engine`` the pool and (num_slots=0)
-  the slots come from ``kv.planner`` (``drafter``'s weights and KV layers counted;
+  the slots come from ``kv.planner`` (``drafter``'s weights and KV layers counted:
+  anything with ``params()`` and ``kv_layers()``, a drafter or the round hook;
   weight_bytes: the target's on one device, default estimated from ``config``), and
   slots that cannot fit raise its MemoryBudgetError."""
   num_slots = engine.num_slots or min(num_requests, 256)
@@ -123,18 +121,3 @@ def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests:
                  max_new_tokens=sampling.max_new_tokens,
                  continuous=engine.continuous_batching, pages_always_enough=enough,
                  kv_dtype=engine.kv_dtype or config.dtype, attention=engine.attention)
-
-
-def speculation(config, sampling: SamplingParams, drafter=None, spec: SpecConfig | None = None):
-  """(bound drafter, topology, draft_mode): the static speculative arguments of
-  ``rollout`` (all None for plain decoding)."""
-  if drafter is None:
-    if spec is not None:
-      raise ValueError("spec was given without a drafter: pass drafter=sj.drafters.... to "
-                       "decode speculatively, or drop spec for plain decoding.")
-    return None, None, None
-  spec = spec or SpecConfig()
-  # With a greedy target only the argmax can be accepted: rank children instead of
-  # sampling them (still exact, and never worse).
-  draft_mode = "greedy" if sampling.greedy else spec.draft_mode
-  return drafter.bind(config), TreeTopology.from_spec(spec), draft_mode

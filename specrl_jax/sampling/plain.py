@@ -5,18 +5,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from collections.abc import Callable
+from typing import Any
+
 from specrl_jax.config import SamplingParams
-from specrl_jax.kv.paged import LayerOffset
-from specrl_jax.models.transformer import Transformer
+from specrl_jax.models.transformer import ForwardOutput, Transformer
 from specrl_jax.sampling.engine import DecodeState, emit, reserve_pages
 from specrl_jax.sampling.warp import sample_tokens, warped_log_probs
-from specrl_jax.speculative.drafters.base import RoundInputs
+
+# (state, the target's forward output) -> (state, KV pages to keep): sees the round's
+# forward before sampling, e.g. to keep an idle drafter in step.
+Observer = Callable[[DecodeState, ForwardOutput], tuple[DecodeState, Any]]
 
 
-def plain_round(model: Transformer, state: DecodeState, sampling: SamplingParams,
-                drafter=None, drafter_params=()) -> DecodeState:
-  """``drafter``: an idle drafter that ``catches_up`` (adaptive speculation with k = 0),
-  shown the target's output through ``record``."""
+def plain_round(model: Transformer, state: DecodeState, sampling: SamplingParams, *,
+                hidden_layers: tuple[int, ...] = (), observe: Observer | None = None
+                ) -> DecodeState:
+  """hidden_layers: the target layers the forward also returns (for ``observe``)."""
   active_N = state.active_N
   positions_N = state.cache_lengths_N
   state = reserve_pages(state, jnp.where(active_N, positions_N + 1, 0), max_new_pages=1)
@@ -26,13 +31,10 @@ def plain_round(model: Transformer, state: DecodeState, sampling: SamplingParams
       new_mask_BxTxT=jnp.ones((num_slots, 1, 1), bool),
       write_positions_BxT=jnp.where(active_N, positions_N, -1)[:, None])
   out = model.forward(state.last_token_N[:, None], positions_BxT=positions_N[:, None], kv=kv,
-                      hidden_layers=drafter.hidden_layers if drafter is not None else ())
+                      hidden_layers=hidden_layers)
   pages = out.kv
-  if drafter is not None:
-    drafter_state, drafter_kv = drafter.record(
-        drafter_params, state.drafter, LayerOffset(inner=out.kv, offset=model.config.num_layers),
-        RoundInputs.of(state), out)
-    state, pages = state.replace(drafter=drafter_state), drafter_kv.inner
+  if observe is not None:
+    state, pages = observe(state, out)
   log_probs_NxV = warped_log_probs(out.logits[:, 0], sampling)
   rng, key = jax.random.split(state.rng)
   token_N = sample_tokens(key, log_probs_NxV, sampling)

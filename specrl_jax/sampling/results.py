@@ -11,7 +11,6 @@ import jax
 import numpy as np
 
 from specrl_jax.sampling.engine import DecodeState
-from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.sampling.layout import Layout
 
 
@@ -53,8 +52,10 @@ def raise_if_exhausted(final: DecodeState, layout: Layout, inputs) -> None:
         "always suffices) or lower EngineConfig.num_slots.")
 
 
-def to_output(final: DecodeState, seconds: float, drafter: Drafter | None = None
-               ) -> GenerateOutput:
+def to_output(final: DecodeState, seconds: float, rounds: Any = None, **hook_stats
+              ) -> GenerateOutput:
+  """The output of a fetched final state; ``rounds`` (the round hook) adds its own
+  ``stats(final, **hook_stats)``."""
   lengths = np.asarray(final.out_lengths_R)
   counters = {name: np.asarray(value) for name, value in final.counters.items()}
   generated = int(lengths.sum())
@@ -66,20 +67,11 @@ def to_output(final: DecodeState, seconds: float, drafter: Drafter | None = None
       "tokens_per_second": generated / seconds if seconds > 0 else float("nan"),
       # Rounds each request decoded in (its first token is sampled at admission).
       "request_rounds": counters["request_rounds_R"],
+      # A plain round emits one token.
+      "acceptance_length": 1.0,
+      "per_position_acceptance": [],
   }
-  drafted_rounds = int(counters.get("draft_rounds", 0))
-  if drafted_rounds:
-    accepted = counters["accepted_per_position"]
-    stats["acceptance_length"] = 1.0 + float(accepted.sum()) / drafted_rounds
-    # Of the drafts at each position, the share accepted (a position is drafted
-    # only by chains at least that long).
-    drafted = counters["drafted_per_position"]
-    stats["per_position_acceptance"] = (accepted[drafted > 0] / drafted[drafted > 0]).tolist()
-    stats["draft_rounds"] = drafted_rounds
-  else:
-    stats["acceptance_length"] = 1.0
-    stats["per_position_acceptance"] = []
-  if drafter is not None:
-    stats["drafter"] = drafter.stats(final.drafter)
+  if rounds is not None:
+    stats.update(rounds.stats(final, **hook_stats))
   return GenerateOutput(tokens=np.asarray(final.out_tokens_RxL), lengths=lengths,
                         logprobs=np.asarray(final.out_log_probs_RxL), stats=stats)

@@ -12,6 +12,7 @@ import numpy as np
 from specrl_jax.config import SamplingParams
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.adaptive import DraftLengthController
+from specrl_jax.speculative.rollout import Speculation
 from specrl_jax.speculative.topology import TreeTopology
 from specrl_jax.sampling.layout import Layout
 from specrl_jax.sampling.results import GenerateOutput, fetch_results, raise_if_exhausted, to_output
@@ -49,8 +50,9 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
                           controller=controller, first_decision=first_decision)
   drafter_params = drafter.params() if drafter_params is None else drafter_params
   start = time.perf_counter()
+  longest_rounds = Speculation(drafter=drafter, topology=topology, draft_mode=draft_mode)
   state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
-                          layout=layout, drafter=drafter, topology=topology)
+                          layout=layout, rounds=longest_rounds)
   # Batches are timed from dispatch to read-back: reading the counters waits for the
   # prefill, so that it does not count in the first.
   counters = jax.device_get(state.counters)
@@ -67,21 +69,22 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     began = time.perf_counter()
     max_rounds = controller.decision_rounds(rounds_per_decision)
     if k == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
-      calls = [(dict(drafter_params=(), drafter=None, topology=None, draft_mode=None),
-                max_rounds)]
+      calls = [(dict(hook_params=(), rounds=None), max_rounds)]
     else:
       # k = 0 with a drafter that catches up: plain rounds that only ``record``.
-      rounds = dict(drafter_params=drafter_params, drafter=drafter,
-                    topology=TreeTopology((1,) * k), draft_mode=draft_mode)
-      calls = [(dict(rounds, max_pending=longest_pending(k) if k else 1), max_rounds)]
+      def rounds(max_pending):
+        return dict(hook_params=drafter_params, rounds=Speculation(
+            drafter=drafter, topology=TreeTopology((1,) * k), draft_mode=draft_mode,
+            max_pending=max_pending))
+      calls = [(rounds(longest_pending(k) if k else 1), max_rounds)]
       if k == 0 and catch_up > 1 and not drafter.catches_up:
         # Its plain rounds feed it one token each; the first after drafting, more.
-        calls = [(dict(rounds, max_pending=catch_up), 1)] + (
+        calls = [(rounds(catch_up), 1)] + (
             [(calls[0][0], max_rounds - 1)] if max_rounds > 1 else [])
-    for rounds, batch_rounds in calls:  # dispatched back to back: no host sync between
+    for batch, batch_rounds in calls:  # dispatched back to back: no host sync between
       state, report = _continue_and_report(graphdef, params, state=state, prompts=prompts,
                                            max_rounds=jnp.int32(batch_rounds),
-                                           sampling=sampling, layout=layout, **rounds)
+                                           sampling=sampling, layout=layout, **batch)
     catch_up = longest + 1 if k else 1
     now, done, (remaining_N, queued) = jax.device_get(report)
     seconds = time.perf_counter() - began
@@ -100,15 +103,14 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   final = fetch_results(state)
   seconds = time.perf_counter() - start
   raise_if_exhausted(final, layout, inputs)
-  return _with_schedule(to_output(final, seconds, drafter), controller, first_decision)
+  return _with_schedule(to_output(final, seconds, longest_rounds), controller, first_decision)
 
 
 def _plain_rollout(graphdef, params, inputs, rng, *, sampling: SamplingParams,
                    layout: Layout, controller: DraftLengthController,
                    first_decision: int) -> GenerateOutput:
   """A rollout the controller decided to decode plainly throughout: one decision."""
-  output = generate_whole(graphdef, params, None, inputs, rng, sampling=sampling,
-                           layout=layout, topology=None, draft_mode=None)
+  output = generate_whole(graphdef, params, inputs, rng, sampling=sampling, layout=layout)
   # Its time includes the prefill: not a clean per-round time (plain rounds are timed
   # again in the rollouts that probe a chain).
   controller.observe(0, output.stats["target_calls"], None, np.zeros(controller.k_max), 0)
