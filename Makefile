@@ -37,7 +37,7 @@ test-full: $(TEST_STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=15 tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache results
+	rm -rf $(VENV) .pytest_cache results/quick
 
 # Regenerates every README figure and table into results/ (hours on 2 cores; reuses artifacts/).
 results: $(TEST_STAMP)

@@ -1,6 +1,8 @@
-"""Plain sampling: the decode engine, its programs and layout, prefill and the logits
-warp. ``sj.generate`` is the public entry point; ``generate``, ``prefill`` and
-``rollout`` are also submodule names here, so the face leaves them out."""
+"""Plain sampling: the decode engine (which takes speculation as an optional round
+hook and knows nothing of drafters), its programs and layout, prefill and the logits
+warp. ``sj.generate`` (``speculative.generate``) is the public entry point;
+``generate``, ``prefill`` and ``rollout`` are also submodule names here, so the face
+leaves them out."""
 
 from specrl_jax.lazy import lazy_face
 
@@ -9,7 +11,7 @@ _SOURCES = {
     "GenerateOutput": "results",
     "PagePoolExhaustedError": "results",
     "plan_engine_memory": "memory",
-    "prepare": "layout",
+    "pack": "layout",
     "program_cache_info": "programs",
     "set_program_cache_size": "programs",
     "sample_tokens": "warp",

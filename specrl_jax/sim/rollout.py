@@ -23,9 +23,6 @@ from specrl_jax.sim.layout import ParallelLayout
 from specrl_jax.sim.lengths import LengthDistribution
 from specrl_jax.sim.model_spec import DrafterSpec, ModelSpec
 from specrl_jax.sim.roofline import EngineProfile, ForwardCostModel, SpeculationSpec
-# Still imported from here by speculative/adaptive.py, which another branch is moving;
-# drop once it imports specrl_jax.sim.roofline.
-from specrl_jax.sim.roofline import expected_tokens_per_round  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

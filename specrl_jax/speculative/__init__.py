@@ -1,13 +1,15 @@
 """Speculative decoding: drafting a tree, lossless verification, the speculative round,
 catch-up of idle drafters and adaptive draft length; the drafters live in
-``speculative.drafters``. ``verify`` is also a submodule name here, so the face leaves
-the function out (``speculative.verify.verify``)."""
+``speculative.drafters``; ``speculative.generate`` is ``sj.generate``, which dispatches
+to plain, speculative or adaptive generation. ``generate``, ``rollout`` and ``verify``
+are also submodule names here, so the face leaves those functions out."""
 
 from specrl_jax.lazy import lazy_face
 
 _SOURCES = {
     "DraftLengthController": "adaptive",
     "DraftTree": "drafting",
+    "Speculation": "rollout",
     "TreeTopology": "topology",
     "Verdict": "verify",
     "catch_up_drafter": "catch_up",

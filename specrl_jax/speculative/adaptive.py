@@ -43,7 +43,7 @@ import numpy as np
 
 from specrl_jax.config import check
 from specrl_jax.sim.cost_model import expected_rounds_to_finish
-from specrl_jax.sim.rollout import expected_tokens_per_round
+from specrl_jax.sim.roofline import expected_tokens_per_round
 
 
 @dataclasses.dataclass

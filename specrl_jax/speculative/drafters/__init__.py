@@ -7,7 +7,7 @@ from specrl_jax.lazy import lazy_face
 _SOURCES = {
     "DraftModel": "draft_model",
     "Drafter": "base",
-    "DrafterTrainingConfig": "training",
+    "DrafterTrainingConfig": "offline",
     "Eagle3": "eagle3",
     "Eagle3Config": "eagle3",
     "HiddenStateDrafter": "hidden_state",
@@ -17,11 +17,11 @@ _SOURCES = {
     "MTP": "mtp",
     "NGram": "ngram",
     "RoundInputs": "base",
-    "load_drafter": "training",
+    "load_drafter": "checkpoints",
     "load_specforge": "specforge",
-    "save_drafter": "training",
+    "save_drafter": "checkpoints",
     "save_specforge": "specforge",
-    "train_offline": "training",
+    "train_offline": "offline",
 }
 __all__ = sorted(_SOURCES)
 __getattr__, __dir__ = lazy_face(__name__, _SOURCES)
