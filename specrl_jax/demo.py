@@ -43,22 +43,19 @@ def rollout_speed(session: Session, models: Models, params, drafter_params, *,
   train_mesh, _ = session.meshes()
   prompts = prompts_on_mesh(session.step_prompts(0), train_mesh)
   graphdef = nnx.split(models.policy)[0]
-  # Kept on the session: the check after RL reuses the programs compiled before it.
-  jitted = session.__dict__.setdefault("_demo_rollouts", {})
   bar = tqdm(total=2 * (1 + repeats), desc=label, unit="run", dynamic_ncols=True,
              file=sys.stderr, disable=not session.config.output.progress)
   arms = {}
   for name, kwargs in (("plain", {}), ("speculative", dict(drafter=drafter, spec=session.spec))):
-    if name not in jitted:
-      jitted[name] = jax.jit(make_rollout(
-          graphdef, models.policy.config, session.task, session.learner,
-          session.rollout_config, train_mesh, prompt_width=session.prompt_width,
-          engine=session.engine, **kwargs))
+    rollout = jax.jit(make_rollout(graphdef, models.policy.config, session.task,
+                                   session.learner, session.rollout_config, train_mesh,
+                                   prompt_width=session.prompt_width, engine=session.engine,
+                                   **kwargs))
     draft = drafter_params if kwargs else ()
     bar.set_postfix_str(f"compiling the {name} rollout")
-    jax.block_until_ready(jitted[name](params, draft, prompts, jax.random.key(0), 0))
+    jax.block_until_ready(rollout(params, draft, prompts, jax.random.key(0), 0))
     bar.update(1)
-    arms[name] = (jitted[name], draft, [])
+    arms[name] = (rollout, draft, [])
   bar.set_postfix_str("timing plain and speculative in turn")
   outputs = {}
   for repeat in range(repeats):
