@@ -6,7 +6,11 @@
    and weights (same engine shape, sampling, seeds), before and after RL.
 3. A short GRPO run whose rollouts are speculative (the draft model keeps training
    online on every batch), printing reward and acceptance length as it goes.
-Metrics, TensorBoard events, checkpoints and PNG plots land in runs/demo/.
+Each phase shows a progress bar on stderr (compilation is named as it happens).
+Metrics, TensorBoard events, checkpoints and PNG plots land in runs/demo/: the RL
+curves (reward, response length, acceptance length against plain decoding's 1, step
+time and throughput from step 1 on) and rollout_speed.png (plain vs speculative
+rollout time, and a steady RL step split into generation and training).
 """
 
 from __future__ import annotations
@@ -27,17 +31,20 @@ from specrl_jax.rl.train_command import Models, Session
 
 
 def rollout_speed(session: Session, models: Models, params, drafter_params, *,
-                  repeats: int = 5) -> dict[str, float]:
+                  repeats: int = 5, label: str = "speed check") -> dict[str, float]:
   """Plain vs speculative rollout of the same batch (the prompts of RL step 0:
   prompts_per_step x group_size samples), same weights and engine shape.
 
   Both are compiled first; then the two alternate ``repeats`` times and each keeps
   its fastest run, so load from other processes on a shared machine hits both alike.
   """
+  from tqdm import tqdm
   drafter, _ = session.drafter_for(models)
   train_mesh, _ = session.meshes()
   prompts = prompts_on_mesh(session.step_prompts(0), train_mesh)
   graphdef = nnx.split(models.policy)[0]
+  bar = tqdm(total=2 * (1 + repeats), desc=label, unit="run", dynamic_ncols=True,
+             file=sys.stderr, disable=not session.config.output.progress)
   arms = {}
   for name, kwargs in (("plain", {}), ("speculative", dict(drafter=drafter, spec=session.spec))):
     rollout = jax.jit(make_rollout(graphdef, models.policy.config, session.task,
@@ -45,8 +52,11 @@ def rollout_speed(session: Session, models: Models, params, drafter_params, *,
                                    prompt_width=session.prompt_width, engine=session.engine,
                                    **kwargs))
     draft = drafter_params if kwargs else ()
+    bar.set_postfix_str(f"compiling the {name} rollout")
     jax.block_until_ready(rollout(params, draft, prompts, jax.random.key(0), 0))
+    bar.update(1)
     arms[name] = (rollout, draft, [])
+  bar.set_postfix_str("timing plain and speculative in turn")
   outputs = {}
   for repeat in range(repeats):
     for name, (rollout, draft, seconds) in arms.items():
@@ -54,6 +64,8 @@ def rollout_speed(session: Session, models: Models, params, drafter_params, *,
       outputs[name] = jax.block_until_ready(
           rollout(params, draft, prompts, jax.random.key(repeat + 1), 0))
       seconds.append(time.perf_counter() - start)
+      bar.update(1)
+  bar.close()
   plain, spec = min(arms["plain"][2]), min(arms["speculative"][2])
   counters = {name: jax.device_get(out.counters) for name, out in outputs.items()}
   spec_counters = counters["speculative"]
@@ -72,6 +84,50 @@ def _report(label: str, speed: dict[str, float]) -> None:
         "target forwards)", flush=True)
 
 
+def plot_rollout_speed(before: dict[str, float], after: dict[str, float],
+                       step_seconds: float, path: str) -> str:
+  """Rollout time, plain vs speculative, before and after RL; and the steady RL step
+  split into generation and training.
+
+  A sync RL step is one compiled program, so the split is estimated: generation is the
+  speculative rollout timed alone (mean of the two checks), training the rest of the
+  step (log-probs, policy and drafter update). A plain-rollout step is shown alongside.
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  labels = ["before RL", "after RL"]
+  for offset, (arm, colour) in enumerate((("plain", "tab:grey"), ("speculative", "tab:blue"))):
+    values = [before[f"{arm}_seconds"], after[f"{arm}_seconds"]]
+    left.bar([i + 0.38 * offset for i in range(2)], values, width=0.38, color=colour,
+             label=f"{arm} decoding")
+  left.set_xticks([0.19, 1.19], labels)
+  left.set_ylabel("seconds per rollout batch (fastest of 5)")
+  left.set_title("Rollout time of one RL batch", fontsize=10)
+  left.legend(fontsize=8)
+  generation = {arm: (before[f"{arm}_seconds"] + after[f"{arm}_seconds"]) / 2
+                for arm in ("plain", "speculative")}
+  training = max(step_seconds - generation["speculative"], 0.0)
+  arms = ["plain rollouts\n(estimated)", "speculative rollouts\n(as run)"]
+  gen = [generation["plain"], generation["speculative"]]
+  right.bar(arms[:1], gen[:1], color="tab:grey", label="generation, plain")
+  right.bar(arms[1:], gen[1:], color="tab:blue", label="generation, speculative")
+  right.bar(arms, [training] * 2, bottom=gen, color="tab:orange", label="training")
+  right.set_ylabel("seconds per RL step (steady state)")
+  right.set_title("RL step: generation vs training", fontsize=10)
+  right.legend(fontsize=8)
+  for axes in (left, right):
+    axes.grid(alpha=0.3, axis="y")
+  figure.suptitle("Plain vs speculative rollouts (generation timed alone; training = mean "
+                  "step time after step 0 minus generation)", fontsize=9)
+  figure.tight_layout()
+  figure.savefig(path, dpi=100)
+  plt.close(figure)
+  return path
+
+
 def run_demo(config: ExperimentConfig) -> dict:
   started = time.perf_counter()
   directory = config.output.directory
@@ -83,19 +139,25 @@ def run_demo(config: ExperimentConfig) -> dict:
   models = session.warm_start()
   drafter, online = session.drafter_for(models)
   params = nnx.split(models.policy)[1]
-  before = rollout_speed(session, models, params, online.trainable if online else drafter.params())
+  before = rollout_speed(session, models, params, online.trainable if online else drafter.params(),
+                         label="speed check before RL")
   _report("rollout speed before RL", before)
 
   summary = session.train(models)
   state = session.state
   drafter_params = (online.rollout_params(state.drafter_params) if online else drafter.params())
-  after = rollout_speed(session, models, state.params, drafter_params)
+  after = rollout_speed(session, models, state.params, drafter_params,
+                        label="speed check after RL")
   _report("rollout speed after RL (online-trained drafter)", after)
 
   from specrl_jax.rl.metrics import read_jsonl
   records = read_jsonl(os.path.join(directory, "metrics.jsonl"))
   print("\nreward by step: " + " ".join(f"{r['reward_mean']:.2f}" for r in records))
   print("acceptance length by step: " + " ".join(f"{r['acceptance_length']:.2f}" for r in records))
+  if config.output.plots:
+    summary["plots"].append(plot_rollout_speed(
+        before, after, summary["step_seconds"],
+        os.path.join(directory, "plots", "rollout_speed.png")))
   report = {
       "reward_first_quarter": summary["reward_first_quarter"],
       "reward_last_quarter": summary["reward_last_quarter"],

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -75,46 +75,80 @@ class MetricsWriter:
     self.close()
 
 
-# The default plot panels: (file stem, metric names drawn together, y label).
-PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("reward", ("reward_mean",), "mean reward"),
-    ("response_length", ("response_length_mean",), "tokens"),
-    ("acceptance_length", ("acceptance_length",), "tokens per target call"),
-    ("time", ("step_seconds", "rollout_seconds", "train_seconds", "sync_seconds"), "seconds"),
-    ("throughput", ("tokens_per_second", "samples_per_second"), "per second"),
+class Panel(NamedTuple):
+  """One PNG: ``axes`` side by side, each (metric names drawn together, y label)."""
+  stem: str
+  title: str
+  axes: tuple[tuple[tuple[str, ...], str], ...]
+  steady: bool = False  # leaves out step 0, whose time is mostly compilation
+  baseline: tuple[float, str] | None = None  # (value, label): a dashed reference line
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("reward", "Mean reward per RL step", ((("reward_mean",), "mean reward"),)),
+    Panel("response_length", "Mean response length", ((("response_length_mean",), "tokens"),)),
+    Panel("acceptance_length", "Speculative acceptance length",
+          ((("acceptance_length",), "tokens per target call"),),
+          baseline=(1.0, "plain decoding (1 token per call)")),
+    # Async runs report generation and training apart; a sync step is one program.
+    Panel("time", "Wall-clock time per RL step",
+          ((("step_seconds", "rollout_seconds", "train_seconds", "sync_seconds"), "seconds"),),
+          steady=True),
+    Panel("throughput", "Throughput",
+          ((("samples_per_second",), "samples / s"), (("tokens_per_second",), "tokens / s")),
+          steady=True),
 )
 
 
 def plot_run(records: Sequence[Mapping[str, Any]], directory: str | os.PathLike,
-             panels: Iterable[tuple[str, tuple[str, ...], str]] = PANELS) -> list[str]:
+             panels: Iterable[Panel] = PANELS) -> list[str]:
   """One PNG per panel with any data (plus per-position acceptance); the paths."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import MaxNLocator
 
   os.makedirs(directory, exist_ok=True)
   paths = []
-  steps = [r["step"] for r in records]
+  flat = [flatten(r) for r in records]
   panels = list(panels)
-  positions = sorted({k for r in records for k in flatten(r) if k.startswith(
+  positions = sorted({k for r in flat for k in r if k.startswith(
       "per_position_acceptance/")}, key=lambda k: int(k.split("/")[1]))
   if positions:
-    panels.append(("per_position_acceptance", tuple(positions), "acceptance rate"))
-  for stem, names, label in panels:
-    present = [n for n in names if any(n in flatten(r) for r in records)]
-    if not present:
+    panels.append(Panel("per_position_acceptance", "Acceptance rate by draft depth",
+                        ((tuple(positions), "acceptance rate"),)))
+  for panel in panels:
+    shown = [(r["step"], f) for r, f in zip(records, flat)
+             if not (panel.steady and r["step"] == 0 and len(records) > 1)]
+    axes_present = [([n for n in names if any(n in f for _, f in shown)], label)
+                    for names, label in panel.axes]
+    axes_present = [(names, label) for names, label in axes_present if names]
+    if not axes_present:
       continue
-    figure, axes = plt.subplots(figsize=(6, 3.5))
-    for name in present:
-      values = [flatten(r).get(name, math.nan) for r in records]
-      axes.plot(steps, values, marker=".", label=name)
-    axes.set_xlabel("RL step")
-    axes.set_ylabel(label)
-    axes.grid(alpha=0.3)
-    if len(present) > 1:
-      axes.legend(fontsize=7)
+    figure, axes_row = plt.subplots(1, len(axes_present), squeeze=False,
+                                    figsize=(6 * len(axes_present), 3.8))
+    for axes, (names, label) in zip(axes_row[0], axes_present):
+      for name in names:
+        axes.plot([step for step, _ in shown], [f.get(name, math.nan) for _, f in shown],
+                  marker=".", label=name)
+      if panel.baseline is not None:
+        axes.axhline(panel.baseline[0], color="grey", linestyle="--", label=panel.baseline[1])
+      axes.set_xlabel("RL step")
+      axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+      axes.set_ylabel(label)
+      axes.grid(alpha=0.3)
+      if len(axes_present) > 1:
+        axes.set_title(label, fontsize=9)
+      if len(names) > 1 or panel.baseline is not None:
+        axes.legend(fontsize=7)
+    title = panel.title
+    if len(shown) < len(records):
+      first = next(f for r, f in zip(records, flat) if r["step"] == 0)
+      title += (f"\n(steady state: step 0, {first.get('step_seconds', math.nan):.1f} s "
+                "with compilation, not shown)")
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    path = os.path.join(directory, f"{stem}.png")
+    path = os.path.join(directory, f"{panel.stem}.png")
     figure.savefig(path, dpi=100)
     plt.close(figure)
     paths.append(path)

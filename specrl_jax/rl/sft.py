@@ -10,6 +10,7 @@ Every batch is freshly sampled from the task with a seeded generator, so runs re
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -101,11 +102,13 @@ def _loss(model: Transformer, tokens_BxT, mask_BxT, teacher_log_probs_BxTxV):
 
 
 def train_sft(model: Transformer, task: Task, config: SFTConfig, *,
-              teacher: Transformer | None = None, log_every: int = 0) -> tuple[Transformer, list[float]]:
+              teacher: Transformer | None = None, log_every: int = 0,
+              progress: str | None = None) -> tuple[Transformer, list[float]]:
   """Trains ``model`` (returned, a new object) and the loss of every step.
 
   With ``teacher``, the target is the teacher's next-token distribution (temperature
   1) on the same sequences: distillation of a drafter from the policy.
+  progress: a label for a tqdm bar on stderr (None: no bar).
   """
   warmup = max(1, config.steps // 10)
   # At least one step of decay after the warmup: optax refuses an empty cosine (steps=1).
@@ -133,6 +136,12 @@ def train_sft(model: Transformer, task: Task, config: SFTConfig, *,
   length = sequence_length(task)
   teacher_params = teacher_split[1] if teacher_split is not None else None
   losses = []
+  bar = None
+  if progress is not None:
+    from tqdm import tqdm
+    bar = tqdm(total=config.steps, desc=progress, unit="step", dynamic_ncols=True,
+               file=sys.stderr)
+    bar.set_postfix_str("compiling")  # the first step traces and compiles the update
   for step in range(config.steps):
     problems = [task.sample(rng) for _ in range(config.batch_size)]
     problems = [with_digit_noise(p, rng) if rng.random() < config.noise else p for p in problems]
@@ -141,4 +150,11 @@ def train_sft(model: Transformer, task: Task, config: SFTConfig, *,
     losses.append(loss)
     if log_every and (step + 1) % log_every == 0:
       print(f"  sft step {step + 1}/{config.steps}: loss {float(loss):.3f}", flush=True)
+    if bar is not None:
+      bar.update(1)
+      # Reading the loss waits for the step: only now and then, so dispatch runs ahead.
+      if step == 0 or (step + 1) % 10 == 0:
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+  if bar is not None:
+    bar.close()
   return nnx.merge(graphdef, params), [float(x) for x in jax.device_get(losses)]

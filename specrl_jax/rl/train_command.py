@@ -255,6 +255,8 @@ class Session:
       from tqdm import tqdm
       progress = tqdm(total=config.rl.steps, initial=start, desc="GRPO", unit="step",
                       dynamic_ncols=True, file=sys.stderr)
+      # It moves when a step ends; the first of a session also traces and compiles.
+      progress.set_postfix_str(f"step {start}: compiling the RL step")
     in_flight_now = lambda: None  # sync: nothing outlives a step
     try:
       if config.rl.mode == "sync":

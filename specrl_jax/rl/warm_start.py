@@ -62,19 +62,21 @@ def _sync(name: str) -> None:
 def _train(models: Models, config: ExperimentConfig, task: Task,
            log: Callable[[str], None]) -> None:
   c = config.warm_start
+  bars = config.output.progress and distributed.is_primary()
   if c.sft_steps:
     models.policy, losses = sft.train_sft(
         models.policy, task,
         sft.SFTConfig(steps=c.sft_steps, batch_size=c.sft_batch_size,
                       learning_rate=c.sft_learning_rate, noise=c.sft_noise,
-                      seed=config.task.seed))
+                      seed=config.task.seed),
+        progress="warm start: SFT policy" if bars else None)
     log(f"warm start: SFT {c.sft_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
   if models.draft is not None and c.distill_steps:
     models.draft, losses = sft.train_sft(
         models.draft, task,
         sft.SFTConfig(steps=c.distill_steps, batch_size=c.sft_batch_size,
                       learning_rate=c.distill_learning_rate, seed=config.task.seed + 1),
-        teacher=models.policy)
+        teacher=models.policy, progress="warm start: distil drafter" if bars else None)
     log(f"warm start: drafter distilled {c.distill_steps} steps, soft CE "
         f"{losses[0]:.3f} -> {losses[-1]:.3f}")
 
