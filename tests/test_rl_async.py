@@ -12,7 +12,7 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import async_pipeline, online_drafters, sync, tasks
+from specrl_jax.rl import async_pipeline, online_drafters, rollout, tasks
 
 TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
 POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
@@ -35,7 +35,7 @@ def _pipeline(rollout_shape, train_shape):
   state = rl.init_train_state(params, LEARNER, train_mesh, rng=jax.random.key(0),
                               drafter_params=online.trainable)
   return async_pipeline.AsyncPipeline(
-      graphdef, POLICY, TASK, LEARNER, sync.RolloutConfig(group_size=4, prompts_per_step=4),
+      graphdef, POLICY, TASK, LEARNER, rollout.RolloutConfig(group_size=4, prompts_per_step=4),
       rollout_mesh=rollout_mesh, train_mesh=train_mesh, state=state,
       prompt_width=PROMPTS.tokens_PxT.shape[1], max_policy_lag=1, online=online,
       spec=sj.SpecConfig(num_draft_tokens=2)), state
@@ -103,7 +103,7 @@ def test_meshes_must_not_share_devices():
   devices = jax.devices()
   mesh = parallel.make_mesh((2, 1, 1), devices=devices[:2])
   with pytest.raises(sj.ConfigError, match="share devices"):
-    async_pipeline.AsyncPipeline(None, POLICY, TASK, LEARNER, sync.RolloutConfig(),
+    async_pipeline.AsyncPipeline(None, POLICY, TASK, LEARNER, rollout.RolloutConfig(),
                                  rollout_mesh=mesh, train_mesh=mesh, state=None,
                                  prompt_width=16, max_policy_lag=1)
 

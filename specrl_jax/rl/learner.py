@@ -69,18 +69,20 @@ class Batch:
   """One training batch of B right-padded rows of prompt + response tokens.
 
   tokens: int32 [B, T]; response_mask: [B, T], true on response tokens (never at t=0);
-  old_logprobs: float32 [B, T], the denominator of the ratio (rollout / behaviour
-    log-probs, or the trainer's recomputation of them);
   advantages: float32 [B];
+  old_logprobs: float32 [B, T], the denominator of the ratio: the learner's own
+    log-probs of the tokens (``rl.learn_step`` sets them; None until then);
   ref_logprobs: optional float32 [B, T] reference log-probs (else computed from the
     state's ref_params when present);
-  rollout_logprobs: optional float32 [B, T] sampler log-probs for the truncated IS
-    correction (GRPOConfig.tis_cap).
+  rollout_logprobs: optional float32 [B, T] the sampler's log-probs, for the truncated
+    IS correction (GRPOConfig.tis_cap).
+  A rollout's batch holds tokens, mask and rollout_logprobs; the learner fills in
+  advantages and old_logprobs. The train step needs both.
   """
   tokens: Array
   response_mask: Array
-  old_logprobs: Array
-  advantages: Array
+  advantages: Array | None = None
+  old_logprobs: Array | None = None
   ref_logprobs: Array | None = None
   rollout_logprobs: Array | None = None
 
@@ -183,6 +185,9 @@ def validate_batch(batch: Batch, mesh: Mesh, config: LearnerConfig) -> None:
   tokens_shape = tuple(batch.tokens.shape)
   check(len(tokens_shape) == 2, "Batch", "tokens.shape", tokens_shape, "[B, T]")
   rows = tokens_shape[0]
+  for name in ("advantages", "old_logprobs"):
+    check(getattr(batch, name) is not None, "Batch", name, None,
+          "an array (the learner sets it: rl.learn_step)")
   for name in ("response_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
     value = getattr(batch, name)
     if value is not None:

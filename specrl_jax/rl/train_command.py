@@ -48,9 +48,8 @@ from specrl_jax.rl.learner import TrainState, abstract_train_state, init_train_s
 from specrl_jax.rl.metrics import MetricsWriter, plot_run, read_jsonl, summarize, with_rates
 from specrl_jax.rl.meshes import check_layout, checkpoint_mesh, run_meshes
 from specrl_jax.rl.online_drafters import OnlineDrafter, online_drafter
-from specrl_jax.rl.sync import (
-    RLProgram, RolloutConfig, build_program, prompts_on_mesh, to_host,
-)
+from specrl_jax.rl.rollout import RolloutConfig
+from specrl_jax.rl.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
 from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
 from specrl_jax.sampling.results import PagePoolExhaustedError
