@@ -149,9 +149,9 @@ def online_vs_frozen(target, weak: Eagle3, steps: int) -> dict:
   """Acceptance over GRPO steps: the same weak EAGLE-3 head frozen, or trained online
   on each step's rollouts (the policy trains identically in both runs)."""
   learner = rl.LearnerConfig(learning_rate=1e-4, schedule="constant", warmup_steps=2,
-                             sampling=SAMPLING, drafter_learning_rate=3e-3,
+                             drafter_learning_rate=3e-3,
                              loss=rl.GRPOConfig(tis_cap=2.0))
-  rollout = rl_rollout.RolloutConfig(group_size=8, prompts_per_step=6)
+  rollout = rl_rollout.RolloutConfig(group_size=8, prompts_per_step=6, sampling=SAMPLING)
   prompt_set = tasks.make_prompt_set(TASK, 512, seed=11)
   mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   graphdef, params = nnx.split(target)

@@ -43,7 +43,7 @@ def rollout_speed(session: Session, models: Models, params, drafter_params, *,
   arms = {}
   for name, kwargs in (("plain", {}), ("speculative", dict(drafter=drafter, spec=session.spec))):
     rollout = jax.jit(make_rollout(graphdef, models.policy.config, session.task,
-                                   session.learner, session.rollout_config, train_mesh,
+                                   session.rollout_config, train_mesh,
                                    prompt_width=session.prompt_width, engine=session.engine,
                                    **kwargs))
     draft = drafter_params if kwargs else ()

@@ -19,7 +19,7 @@ POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, interme
                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
 SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
                              stop_token_ids=(tokenizer.EOS_ID,))
-LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant", sampling=SAMPLING,
+LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant",
                            loss=rl.GRPOConfig(tis_cap=2.0))
 PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
 
@@ -35,7 +35,8 @@ def _pipeline(rollout_shape, train_shape):
   state = rl.init_train_state(params, LEARNER, train_mesh, rng=jax.random.key(0),
                               drafter_params=online.trainable)
   return async_pipeline.AsyncPipeline(
-      graphdef, POLICY, TASK, LEARNER, rollout.RolloutConfig(group_size=4, prompts_per_step=4),
+      graphdef, POLICY, TASK, LEARNER,
+      rollout.RolloutConfig(group_size=4, prompts_per_step=4, sampling=SAMPLING),
       rollout_mesh=rollout_mesh, train_mesh=train_mesh, state=state,
       prompt_width=PROMPTS.tokens_PxT.shape[1], max_policy_lag=1, online=online,
       spec=sj.SpecConfig(num_draft_tokens=2)), state

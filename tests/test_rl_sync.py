@@ -19,9 +19,9 @@ POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, interme
 DRAFT = POLICY.replace(num_layers=1)
 SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
                              stop_token_ids=(tokenizer.EOS_ID,))
-LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant", sampling=SAMPLING,
+LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant",
                            loss=rl.GRPOConfig(tis_cap=2.0))
-ROLLOUT = rollout.RolloutConfig(group_size=4, prompts_per_step=4)
+ROLLOUT = rollout.RolloutConfig(group_size=4, prompts_per_step=4, sampling=SAMPLING)
 PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
 
 

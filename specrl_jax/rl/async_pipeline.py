@@ -133,12 +133,11 @@ class AsyncPipeline:
     self.max_policy_lag = max_policy_lag
     self.rollout_mesh, self.train_mesh = rollout_mesh, train_mesh
     self.online, self.drafter = online, drafter
-    self.max_new_tokens = learner.sampling.max_new_tokens
-    learn = make_learn_step(graphdef, learner, train_mesh, state,
-                            group_size=rollout_config.group_size,
+    self.max_new_tokens = rollout_config.sampling.max_new_tokens
+    learn = make_learn_step(graphdef, learner, train_mesh, state, rollout=rollout_config,
                             drafter=online.objective if online else None)
     self.train_step = learn.train_step
-    rollout = make_rollout(graphdef, model_config, task, learner, rollout_config, rollout_mesh,
+    rollout = make_rollout(graphdef, model_config, task, rollout_config, rollout_mesh,
                            prompt_width=prompt_width, drafter=drafter, spec=spec, engine=engine)
     self._drafter_params = rollout_drafter_params(drafter, online)
     self._rollout = jax.jit(rollout)

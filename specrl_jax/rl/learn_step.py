@@ -23,7 +23,7 @@ from specrl_jax.rl.learner import (
     Batch, DrafterObjective, LearnerConfig, TrainState, TrainStep, make_log_prob_step,
     make_train_step,
 )
-from specrl_jax.rl.rollout import Trajectories
+from specrl_jax.rl.rollout import RolloutConfig, Trajectories
 
 Array = jax.Array
 
@@ -55,10 +55,14 @@ class LearnStep:
 
 
 def make_learn_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
-                    state: TrainState, *, group_size: int,
+                    state: TrainState, *, rollout: RolloutConfig,
                     drafter: DrafterObjective | None = None) -> LearnStep:
-  """The learner's step on ``mesh`` for train states shaped like ``state``."""
+  """The learner's step on ``mesh`` for train states shaped like ``state``, learning
+  from rollouts configured by ``rollout`` (its groups and its warp)."""
+  sampling = rollout.sampling
   return LearnStep(
-      train_step=make_train_step(graphdef, config, mesh, state, drafter=drafter),
-      log_prob_step=make_log_prob_step(graphdef, config, mesh, state.params),
-      group_size=group_size)
+      train_step=make_train_step(graphdef, config, mesh, state, sampling=sampling,
+                                 drafter=drafter),
+      log_prob_step=make_log_prob_step(graphdef, config, mesh, state.params,
+                                       sampling=sampling),
+      group_size=rollout.group_size)

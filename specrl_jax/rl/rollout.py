@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from specrl_jax.config import SpecConfig, check
+from specrl_jax.config import SamplingParams, SpecConfig, check
 from specrl_jax.models import tokenizer
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
-from specrl_jax.rl.learner import Batch, LearnerConfig
+from specrl_jax.rl.learner import Batch, check_warp
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
@@ -61,9 +61,11 @@ class Trajectories:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
   """group_size: samples per prompt (a GRPO group); prompts_per_step: prompts per RL
-  step."""
+  step; sampling: how the rollout samples (the learner's log-probs reuse its warp, so
+  the ratio compares like with like)."""
   group_size: int = 8
   prompts_per_step: int = 8
+  sampling: SamplingParams = SamplingParams()
 
   def __post_init__(self):
     owner = "RolloutConfig"
@@ -73,6 +75,7 @@ class RolloutConfig:
             name, value, "a positive integer")
     check(self.group_size > 1, owner, "group_size", self.group_size,
           "at least 2 (advantages compare a sample with its group)")
+    check_warp(self.sampling, owner)
 
 
 def build_rows(prompt_tokens_RxT: Array, prompt_lengths_R: Array, response_RxL: Array,
@@ -98,13 +101,13 @@ def build_rows(prompt_tokens_RxT: Array, prompt_lengths_R: Array, response_RxL: 
   return tokens.astype(jnp.int32), in_response_RxS, log_probs
 
 
-def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task, learner: LearnerConfig,
+def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                  rollout_config: RolloutConfig, mesh: Mesh, *, prompt_width: int,
                  drafter: Drafter | None = None, spec: SpecConfig | None = None,
                  engine: EngineConfig = EngineConfig()):
   """The sharded, traceable rollout:
   ``(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories``."""
-  sampling = learner.sampling
+  sampling = rollout_config.sampling
   group = rollout_config.group_size
   shards = data_parallel_size(mesh)
   check(rollout_config.prompts_per_step % shards == 0, "RolloutConfig", "prompts_per_step",

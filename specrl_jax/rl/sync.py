@@ -108,13 +108,12 @@ def build_program(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lea
     drafter = online.drafter
   if drafter is None and spec is not None:
     raise ConfigError("spec was given without a drafter: speculative rollouts need one.")
-  learn = make_learn_step(graphdef, learner, mesh, state,
-                          group_size=rollout_config.group_size,
+  learn = make_learn_step(graphdef, learner, mesh, state, rollout=rollout_config,
                           drafter=online.objective if online else None)
-  rollout = make_rollout(graphdef, model_config, task, learner, rollout_config, mesh,
+  rollout = make_rollout(graphdef, model_config, task, rollout_config, mesh,
                          prompt_width=prompt_width, drafter=drafter, spec=spec, engine=engine)
   drafter_params = rollout_drafter_params(drafter, online)
-  max_new = learner.sampling.max_new_tokens
+  max_new = rollout_config.sampling.max_new_tokens
 
   def rl_step(state: TrainState, prompts: PromptBatch, rng):
     trajectories = rollout(state.params, drafter_params(state), prompts, rng, state.step)
