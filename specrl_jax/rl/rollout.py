@@ -5,7 +5,8 @@
 reading the policy weights gathered from their FSDP shards. It returns
 ``Trajectories``: the learner's rows with the rollout's log-probs, per-sample rewards
 and lengths, and the engine's counters. Advantages and the learner's log-probs are
-the learner's (``rl.learn``), so a batch here holds only what the sampler produced.
+the learner's (``rl.learn_step``), so a batch here holds only what the sampler
+produced.
 """
 
 from __future__ import annotations
