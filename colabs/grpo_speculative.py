@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -129,7 +131,7 @@ print(f"warm start in {time.perf_counter() - started:.0f}s: policy "
 # %%
 group = config.rl.group_size
 prompts = [p for p in session.prompt_set.prompts[:4] for _ in range(group)]
-sampling = session.learner.sampling
+sampling = session.rollout_config.sampling
 spec = sj.SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
 spec_out = sj.generate(policy, prompts, sampling=sampling, rng=jax.random.key(0),
                        drafter=sj.drafters.DraftModel(draft), spec=spec)

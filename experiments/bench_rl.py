@@ -94,7 +94,7 @@ def bench_sync(session: Session, models, kind: str, steps: int, warmup: int) -> 
     batch = trajectories.batch
     old, log_prob = _timed(program.log_prob_step, state.params, batch.tokens,
                            batch.response_mask)
-    (_, _), train = _timed(program.train_step.jitted, state, batch.replace(old_logprobs=old))
+    (_, _), train = _timed(program.train_step.jitted, state, program.learn.batch(trajectories, old))
     (state, metrics), fused = _timed(program.rl_step, copy, prompts, rng)
     if step >= warmup:
       for name, value in (("generation", generation), ("log_prob", log_prob), ("train", train),

@@ -34,7 +34,7 @@ import common  # noqa: E402
 import specrl_jax as sj  # noqa: E402
 from specrl_jax import parallel, rl  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
-from specrl_jax.rl import online_drafters, sync, tasks  # noqa: E402
+from specrl_jax.rl import online_drafters, rollout as rl_rollout, sync, tasks  # noqa: E402
 from specrl_jax.rl.sft import SFTConfig, train_sft  # noqa: E402
 from specrl_jax.speculative.drafters import specforge, training  # noqa: E402
 from specrl_jax.speculative.drafters.eagle3 import Eagle3  # noqa: E402
@@ -149,9 +149,9 @@ def online_vs_frozen(target, weak: Eagle3, steps: int) -> dict:
   """Acceptance over GRPO steps: the same weak EAGLE-3 head frozen, or trained online
   on each step's rollouts (the policy trains identically in both runs)."""
   learner = rl.LearnerConfig(learning_rate=1e-4, schedule="constant", warmup_steps=2,
-                             sampling=SAMPLING, drafter_learning_rate=3e-3,
+                             drafter_learning_rate=3e-3,
                              loss=rl.GRPOConfig(tis_cap=2.0))
-  rollout = sync.RolloutConfig(group_size=8, prompts_per_step=6)
+  rollout = rl_rollout.RolloutConfig(group_size=8, prompts_per_step=6, sampling=SAMPLING)
   prompt_set = tasks.make_prompt_set(TASK, 512, seed=11)
   mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   graphdef, params = nnx.split(target)

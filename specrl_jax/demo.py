@@ -26,8 +26,10 @@ import jax
 from flax import nnx
 
 from specrl_jax.rl.experiment import ExperimentConfig, experiment_config
-from specrl_jax.rl.sync import make_rollout, prompts_on_mesh
+from specrl_jax.rl.rollout import make_rollout, rollout_drafter_params
+from specrl_jax.rl.sync import prompts_on_mesh
 from specrl_jax.rl.train_command import Models, Session
+from specrl_jax.speculative.rollout import acceptance_length
 
 
 def rollout_speed(session: Session, models: Models, params, drafter_params, *,
@@ -48,7 +50,7 @@ def rollout_speed(session: Session, models: Models, params, drafter_params, *,
   arms = {}
   for name, kwargs in (("plain", {}), ("speculative", dict(drafter=drafter, spec=session.spec))):
     rollout = jax.jit(make_rollout(graphdef, models.policy.config, session.task,
-                                   session.learner, session.rollout_config, train_mesh,
+                                   session.rollout_config, train_mesh,
                                    prompt_width=session.prompt_width, engine=session.engine,
                                    **kwargs))
     draft = drafter_params if kwargs else ()
@@ -69,9 +71,9 @@ def rollout_speed(session: Session, models: Models, params, drafter_params, *,
   plain, spec = min(arms["plain"][2]), min(arms["speculative"][2])
   counters = {name: jax.device_get(out.counters) for name, out in outputs.items()}
   spec_counters = counters["speculative"]
-  rounds = max(int(spec_counters["draft_rounds"]), 1)
   return {"plain_seconds": plain, "speculative_seconds": spec, "speedup": plain / spec,
-          "acceptance_length": 1 + float(spec_counters["accepted_per_position"].sum()) / rounds,
+          "acceptance_length": float(acceptance_length(spec_counters["accepted_per_position"],
+                                                       spec_counters["draft_rounds"])),
           "target_calls_plain": int(counters["plain"]["target_calls"]),
           "target_calls_speculative": int(spec_counters["target_calls"])}
 
@@ -145,8 +147,8 @@ def run_demo(config: ExperimentConfig) -> dict:
 
   summary = session.train(models)
   state = session.state
-  drafter_params = (online.rollout_params(state.drafter_params) if online else drafter.params())
-  after = rollout_speed(session, models, state.params, drafter_params,
+  after = rollout_speed(session, models, state.params,
+                        rollout_drafter_params(drafter, online)(state),
                         label="speed check after RL")
   _report("rollout speed after RL (online-trained drafter)", after)
 

@@ -270,15 +270,16 @@ def test_online_objective_trains_the_head_in_the_learner_and_checkpoints_with_it
   drafter = _random_drafters(target, np.arange(VOCAB))["eagle3"]
   objective = online_drafters.online_objective(drafter, loss_weight=0.5, unroll_steps=2)
   assert objective.hidden_layers == LAYERS
-  config = rl.LearnerConfig(learning_rate=1e-4, drafter_learning_rate=3e-3,
-                            sampling=sj.SamplingParams(temperature=1.0))
+  config = rl.LearnerConfig(learning_rate=1e-4, drafter_learning_rate=3e-3)
+  sampling = sj.SamplingParams(temperature=1.0)
   mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   graphdef, params = nnx.split(target)
   state = rl.init_train_state(params, config, mesh, rng=jax.random.key(0),
                               drafter_params=drafter.weights)
-  step = rl.make_train_step(graphdef, config, mesh, state, drafter=objective)
+  step = rl.make_train_step(graphdef, config, mesh, state, sampling=sampling,
+                            drafter=objective)
   tokens, mask = rollouts.tokens[:16], rollouts.response_mask[:16]
-  old = np.asarray(rl.policy_log_probs(target, tokens, mask, config.sampling))
+  old = np.asarray(rl.policy_log_probs(target, tokens, mask, sampling))
   batch = rl.Batch(tokens=tokens, response_mask=mask, old_logprobs=old,
                    advantages=np.linspace(-1, 1, 16).astype(np.float32))
   batch = parallel.shard_batch(batch, mesh)

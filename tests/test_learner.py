@@ -21,13 +21,14 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.config import ConfigError
+from specrl_jax.rl.rollout import RolloutConfig
 
 MODEL = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)
 B, T, PROMPT = 16, 12, 4
+SAMPLING = sj.SamplingParams(temperature=0.9)  # the rollout's warp, which the learner reuses
 CONFIG = rl.LearnerConfig(
     learning_rate=1e-3, weight_decay=0.01, num_micro_batches=2,
-    sampling=sj.SamplingParams(temperature=0.9),
     loss=rl.GRPOConfig(beta=0.05, tis_cap=2.0, clip_eps_high=0.28))
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
 
@@ -57,7 +58,7 @@ def setup():
   lengths[3] = 0  # a row whose response is empty
   positions = np.arange(T)[None]
   mask = (positions >= PROMPT) & (positions < PROMPT + lengths[:, None])
-  logprobs = np.asarray(rl.policy_log_probs(model, tokens, mask, CONFIG.sampling))
+  logprobs = np.asarray(rl.policy_log_probs(model, tokens, mask, SAMPLING))
   old = np.where(mask, logprobs + rng.normal(0, 0.3, (B, T)), 0).astype(np.float32)
   rollout = np.where(mask, old + rng.normal(0, 0.3, (B, T)), 0).astype(np.float32)
   advantages = np.asarray(rl.group_advantages(rng.normal(size=B), 4))
@@ -79,7 +80,7 @@ def _one_step(setup, mesh, config=CONFIG, drafter=DRAFTER, steps=1):
   key = (tuple(mesh.devices.shape), config, drafter)
   if key not in _COMPILED:
     _COMPILED[key] = rl.make_train_step(setup["graphdef"], config, mesh, state,
-                                        drafter=drafter)
+                                        sampling=SAMPLING, drafter=drafter)
   step = _COMPILED[key]
   batch = parallel.shard_batch(setup["batch"], mesh)
   history = []
@@ -188,9 +189,10 @@ def test_drafter_loss_is_computed_on_the_policy_hidden_states_and_decreases(setu
 def test_log_prob_step_matches_unsharded_log_probs(setup):
   mesh = parallel.make_mesh((2, 2, 2))
   batch = setup["batch"]
-  log_prob_step = rl.make_log_prob_step(setup["graphdef"], CONFIG, mesh, setup["params"])
+  log_prob_step = rl.make_log_prob_step(setup["graphdef"], CONFIG, mesh, setup["params"],
+                                        sampling=SAMPLING)
   got = log_prob_step(setup["params"], batch.tokens, batch.response_mask)
-  want = rl.policy_log_probs(setup["model"], batch.tokens, batch.response_mask, CONFIG.sampling)
+  want = rl.policy_log_probs(setup["model"], batch.tokens, batch.response_mask, SAMPLING)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   assert got.sharding.spec == jax.sharding.PartitionSpec(parallel.BATCH_AXES)
 
@@ -215,7 +217,8 @@ def test_bad_meshes_batches_and_configs_raise_clear_errors(setup):
   abstract = jax.eval_shape(lambda: rl.init_train_state(
       setup["params"], CONFIG, mesh, rng=jax.random.key(0), with_reference=True,
       drafter_params=setup["drafter"]))
-  step = rl.make_train_step(setup["graphdef"], CONFIG, mesh, abstract, drafter=DRAFTER)
+  step = rl.make_train_step(setup["graphdef"], CONFIG, mesh, abstract, sampling=SAMPLING,
+                            drafter=DRAFTER)
   batch = setup["batch"]
   twelve_rows = jax.tree.map(lambda x: x[:12], batch)
   with pytest.raises(ConfigError, match=r"tokens.shape\[0\]=12 .*data-parallel size "
@@ -228,7 +231,10 @@ def test_bad_meshes_batches_and_configs_raise_clear_errors(setup):
   with pytest.raises(ConfigError, match="drafter"):
     rl.make_train_step(setup["graphdef"], CONFIG, mesh, abstract, drafter=None)
   with pytest.raises(ConfigError, match="temperature > 0"):
-    rl.LearnerConfig(sampling=sj.SamplingParams(temperature=0.0))
+    RolloutConfig(sampling=sj.SamplingParams(temperature=0.0))
+  with pytest.raises(ConfigError, match="temperature > 0"):
+    rl.make_train_step(setup["graphdef"], CONFIG, mesh, abstract, drafter=DRAFTER,
+                       sampling=sj.SamplingParams(temperature=0.0))
   with pytest.raises(ConfigError, match="schedule='exponential'"):
     rl.LearnerConfig(schedule="exponential")
   with pytest.raises(ConfigError, match="aggregation='token-sum'"):

@@ -12,14 +12,14 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import async_pipeline, online_drafters, sync, tasks
+from specrl_jax.rl import async_pipeline, online_drafters, rollout, tasks
 
 TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
 POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
 SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
                              stop_token_ids=(tokenizer.EOS_ID,))
-LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant", sampling=SAMPLING,
+LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant",
                            loss=rl.GRPOConfig(tis_cap=2.0))
 PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
 
@@ -35,7 +35,8 @@ def _pipeline(rollout_shape, train_shape):
   state = rl.init_train_state(params, LEARNER, train_mesh, rng=jax.random.key(0),
                               drafter_params=online.trainable)
   return async_pipeline.AsyncPipeline(
-      graphdef, POLICY, TASK, LEARNER, sync.RolloutConfig(group_size=4, prompts_per_step=4),
+      graphdef, POLICY, TASK, LEARNER,
+      rollout.RolloutConfig(group_size=4, prompts_per_step=4, sampling=SAMPLING),
       rollout_mesh=rollout_mesh, train_mesh=train_mesh, state=state,
       prompt_width=PROMPTS.tokens_PxT.shape[1], max_policy_lag=1, online=online,
       spec=sj.SpecConfig(num_draft_tokens=2)), state
@@ -103,7 +104,7 @@ def test_meshes_must_not_share_devices():
   devices = jax.devices()
   mesh = parallel.make_mesh((2, 1, 1), devices=devices[:2])
   with pytest.raises(sj.ConfigError, match="share devices"):
-    async_pipeline.AsyncPipeline(None, POLICY, TASK, LEARNER, sync.RolloutConfig(),
+    async_pipeline.AsyncPipeline(None, POLICY, TASK, LEARNER, rollout.RolloutConfig(),
                                  rollout_mesh=mesh, train_mesh=mesh, state=None,
                                  prompt_width=16, max_policy_lag=1)
 

@@ -11,7 +11,7 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import experiment, online_drafters, sync, tasks
+from specrl_jax.rl import experiment, online_drafters, rollout, sync, tasks
 
 TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
 POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
@@ -19,9 +19,9 @@ POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, interme
 DRAFT = POLICY.replace(num_layers=1)
 SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
                              stop_token_ids=(tokenizer.EOS_ID,))
-LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant", sampling=SAMPLING,
+LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant",
                            loss=rl.GRPOConfig(tis_cap=2.0))
-ROLLOUT = sync.RolloutConfig(group_size=4, prompts_per_step=4)
+ROLLOUT = rollout.RolloutConfig(group_size=4, prompts_per_step=4, sampling=SAMPLING)
 PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
 
 
@@ -80,8 +80,11 @@ def test_one_rl_step_is_one_jitted_call_with_no_host_transfer(speculative):
 def test_trajectories_hold_groups_with_their_rewards_and_advantages(speculative):
   program, state = speculative
   prompts, rng = _inputs(program, 5)
-  trajectories = jax.device_get(program.rollout_jit(state, prompts, rng))
-  batch, group = trajectories.batch, ROLLOUT.group_size
+  trajectories = program.rollout_jit(state, prompts, rng)
+  assert trajectories.batch.advantages is None and trajectories.batch.old_logprobs is None
+  # The learner sets advantages (and its own log-probs) from the rollout's rewards.
+  batch = jax.device_get(program.learn.batch(trajectories, trajectories.batch.rollout_logprobs))
+  trajectories, group = jax.device_get(trajectories), ROLLOUT.group_size
   rows = np.asarray(batch.tokens)
   lengths = np.asarray(trajectories.lengths_R)
   for row in range(rows.shape[0]):
@@ -97,7 +100,7 @@ def test_trajectories_hold_groups_with_their_rewards_and_advantages(speculative)
 
 
 def test_build_rows_places_the_response_right_after_each_prompt():
-  tokens, mask, log_probs = sync.build_rows(
+  tokens, mask, log_probs = rollout.build_rows(
       jnp.asarray([[1, 5, 6, 0], [1, 7, 0, 0]]), jnp.asarray([3, 2]),
       jnp.asarray([[9, 2, -1], [8, 8, 2]]), jnp.asarray([2, 3]),
       jnp.asarray([[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]))
@@ -111,7 +114,7 @@ def test_the_rollout_gives_every_sample_its_own_slot(speculative):
   a sample: each of the 4 shards decodes its prompt's 4 samples side by side."""
   program, state = speculative
   prompts, rng = _inputs(program, 3)
-  metrics = sync.to_host(sync.rollout_metrics(program.rollout_jit(state, prompts, rng),
+  metrics = sync.to_host(rollout.rollout_metrics(program.rollout_jit(state, prompts, rng),
                                               SAMPLING.max_new_tokens))
   assert metrics["rollout_slots"] == ROLLOUT.prompts_per_step * ROLLOUT.group_size
 
@@ -159,7 +162,7 @@ def test_a_memory_budget_sizes_the_rollouts_slots_and_refuses_what_cannot_fit():
     build(num_slots=4, memory_budget_bytes=_budget_for_slots(3))
   program = build(num_slots=0, memory_budget_bytes=_budget_for_slots(3))
   trajectories = program.rollout_jit(state, *_inputs(program, 0))
-  metrics = sync.to_host(sync.rollout_metrics(trajectories, SAMPLING.max_new_tokens))
+  metrics = sync.to_host(rollout.rollout_metrics(trajectories, SAMPLING.max_new_tokens))
   assert metrics["rollout_slots"] == 3
   assert not metrics["pool_exhausted"]
   assert np.all(np.asarray(trajectories.lengths_R) > 0)

@@ -44,13 +44,13 @@ from specrl_jax.config import ConfigError, SpecConfig, check
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.mesh import batch_sharding
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
-from specrl_jax.rl.learner import (
-    Batch, LearnerConfig, TrainState, make_log_prob_step, make_train_step,
-)
+from specrl_jax.rl.learn_step import make_learn_step
+from specrl_jax.rl.learner import Batch, LearnerConfig, TrainState
 from specrl_jax.rl.online_drafters import OnlineDrafter
-from specrl_jax.rl.sync import (
-    RolloutConfig, Trajectories, make_rollout, rollout_metrics, to_host,
+from specrl_jax.rl.rollout import (
+    RolloutConfig, Trajectories, make_rollout, rollout_drafter_params, rollout_metrics,
 )
+from specrl_jax.rl.sync import to_host
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.sharded import REPLICATE_DRAFTER_BELOW, tree_bytes
@@ -133,24 +133,16 @@ class AsyncPipeline:
     self.max_policy_lag = max_policy_lag
     self.rollout_mesh, self.train_mesh = rollout_mesh, train_mesh
     self.online, self.drafter = online, drafter
-    self.max_new_tokens = learner.sampling.max_new_tokens
-    self.train_step = make_train_step(graphdef, learner, train_mesh, state,
-                                      drafter=online.objective if online else None)
-    log_prob_step = make_log_prob_step(graphdef, learner, train_mesh, state.params)
-    rollout = make_rollout(graphdef, model_config, task, learner, rollout_config, rollout_mesh,
+    self.max_new_tokens = rollout_config.sampling.max_new_tokens
+    learn = make_learn_step(graphdef, learner, train_mesh, state, rollout=rollout_config,
+                            drafter=online.objective if online else None)
+    self.train_step = learn.train_step
+    rollout = make_rollout(graphdef, model_config, task, rollout_config, rollout_mesh,
                            prompt_width=prompt_width, drafter=drafter, spec=spec, engine=engine)
-    self._static_drafter_params = (
-        () if drafter is None else None if online is not None else drafter.params())
+    self._drafter_params = rollout_drafter_params(drafter, online)
     self._rollout = jax.jit(rollout)
-    train_step = self.train_step.jitted
-
-    def train(state, trajectories: Trajectories):
-      batch = trajectories.batch
-      old_logprobs = log_prob_step(state.params, batch.tokens, batch.response_mask)
-      return train_step(state, batch.replace(old_logprobs=old_logprobs))
-
     shardings = self.train_step.state_shardings
-    self._train = jax.jit(train, in_shardings=(shardings, None),
+    self._train = jax.jit(learn, in_shardings=(shardings, None),
                           out_shardings=(shardings, NamedSharding(train_mesh, P())),
                           donate_argnums=0)
     self._replicated = NamedSharding(rollout_mesh, P())
@@ -167,8 +159,7 @@ class AsyncPipeline:
     rollout mesh, split over its "tensor" axis and whole along its batch axes (each
     rollout shard decodes with the whole of its tensor slice); a small drafter is
     replicated there."""
-    drafter = (self.online.rollout_params(state.drafter_params) if self.online is not None
-               else self._static_drafter_params)
+    drafter = self._drafter_params(state)
     return distributed.transfer((state.params, drafter), self._rollout_layout(
         state.params, drafter))
 

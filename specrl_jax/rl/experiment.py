@@ -17,6 +17,7 @@ from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, check, i
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.learner import LearnerConfig
 from specrl_jax.rl.losses import GRPOConfig
+from specrl_jax.rl.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
 from specrl_jax.sampling.engine import EngineConfig
 
@@ -202,18 +203,24 @@ class RLSection:
       for name in ("rollout_devices", "train_devices"):
         check(getattr(self, name) % tensor == 0, owner, name, getattr(self, name),
               f"a multiple of the tensor size {tensor} of RLSection.mesh")
-    self.learner(1)  # the learner's own checks, now rather than after the warm start
+    # The learner's and the rollout's own checks, now rather than after the warm start.
+    self.learner()
+    self.rollout(1)
 
   def engine(self) -> EngineConfig:
     return EngineConfig(num_slots=self.num_slots, memory_budget_bytes=self.memory_budget_bytes,
                         memory_fraction=self.memory_fraction)
 
-  def learner(self, max_new_tokens: int) -> LearnerConfig:
+  def learner(self) -> LearnerConfig:
+    return LearnerConfig(learning_rate=self.learning_rate, schedule="constant",
+                         warmup_steps=self.warmup_steps, max_grad_norm=1.0,
+                         loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+
+  def rollout(self, max_new_tokens: int) -> RolloutConfig:
     sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,
                               stop_token_ids=(tokenizer.EOS_ID,))
-    return LearnerConfig(learning_rate=self.learning_rate, schedule="constant",
-                         warmup_steps=self.warmup_steps, max_grad_norm=1.0, sampling=sampling,
-                         loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+    return RolloutConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
+                         sampling=sampling)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

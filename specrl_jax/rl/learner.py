@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specrl_jax.config import check
+from specrl_jax.config import SamplingParams, check
 from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.parallel.mesh import BATCH_AXES, batch_sharding, data_parallel_size, replicated
 from specrl_jax.parallel.rules import TRANSFORMER_RULES, PartitionRules, named_shardings
@@ -69,18 +69,20 @@ class Batch:
   """One training batch of B right-padded rows of prompt + response tokens.
 
   tokens: int32 [B, T]; response_mask: [B, T], true on response tokens (never at t=0);
-  old_logprobs: float32 [B, T], the denominator of the ratio (rollout / behaviour
-    log-probs, or the trainer's recomputation of them);
   advantages: float32 [B];
+  old_logprobs: float32 [B, T], the denominator of the ratio: the learner's own
+    log-probs of the tokens (``rl.learn_step`` sets them; None until then);
   ref_logprobs: optional float32 [B, T] reference log-probs (else computed from the
     state's ref_params when present);
-  rollout_logprobs: optional float32 [B, T] sampler log-probs for the truncated IS
-    correction (GRPOConfig.tis_cap).
+  rollout_logprobs: optional float32 [B, T] the sampler's log-probs, for the truncated
+    IS correction (GRPOConfig.tis_cap).
+  A rollout's batch holds tokens, mask and rollout_logprobs; the learner fills in
+  advantages and old_logprobs. The train step needs both.
   """
   tokens: Array
   response_mask: Array
-  old_logprobs: Array
-  advantages: Array
+  advantages: Array | None = None
+  old_logprobs: Array | None = None
   ref_logprobs: Array | None = None
   rollout_logprobs: Array | None = None
 
@@ -183,6 +185,9 @@ def validate_batch(batch: Batch, mesh: Mesh, config: LearnerConfig) -> None:
   tokens_shape = tuple(batch.tokens.shape)
   check(len(tokens_shape) == 2, "Batch", "tokens.shape", tokens_shape, "[B, T]")
   rows = tokens_shape[0]
+  for name in ("advantages", "old_logprobs"):
+    check(getattr(batch, name) is not None, "Batch", name, None,
+          "an array (the learner sets it: rl.learn_step)")
   for name in ("response_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
     value = getattr(batch, name)
     if value is not None:
@@ -241,8 +246,15 @@ def _forward(model, tokens_BxT: Array, hidden_layers: tuple[int, ...], mesh: Mes
                      hidden=jax.lax.with_sharding_constraint(out.hidden, rows))
 
 
+def check_warp(sampling: SamplingParams, owner: str) -> None:
+  """The rollout's warp, which the learner's log-probs reuse, must sample: greedy
+  log-probs have no gradient."""
+  check(isinstance(sampling, SamplingParams) and not sampling.greedy, owner, "sampling",
+        sampling, "SamplingParams with temperature > 0 (greedy log-probs have no gradient)")
+
+
 def _policy_and_drafter_loss(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
-                             drafter: DrafterObjective | None):
+                             drafter: DrafterObjective | None, sampling: SamplingParams):
   """loss(params, drafter_params, ref_params, micro_batch, weights) for value_and_grad."""
   hidden_layers = () if drafter is None else drafter.hidden_layers
   micro_batches = config.num_micro_batches
@@ -251,12 +263,12 @@ def _policy_and_drafter_loss(graphdef: nnx.GraphDef, config: LearnerConfig, mesh
               metric_weights_BxT):
     out = _forward(nnx.merge(graphdef, params), batch.tokens, hidden_layers, mesh)
     logprobs_BxT = token_log_probs(out.logits, batch.tokens, batch.response_mask,
-                                   config.sampling)
+                                   sampling)
     ref_logprobs_BxT = batch.ref_logprobs
     if ref_logprobs_BxT is None and ref_params is not None:
       ref_logits = _forward(nnx.merge(graphdef, ref_params), batch.tokens, (), mesh).logits
       ref_logprobs_BxT = jax.lax.stop_gradient(token_log_probs(
-          ref_logits, batch.tokens, batch.response_mask, config.sampling))
+          ref_logits, batch.tokens, batch.response_mask, sampling))
     loss, metrics = grpo_loss(
         logprobs_BxT, batch.old_logprobs, batch.advantages, batch.response_mask,
         ref_logprobs=ref_logprobs_BxT, rollout_logprobs=batch.rollout_logprobs,
@@ -293,9 +305,13 @@ class TrainStep:
 
 
 def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
-                    state: TrainState, *, drafter: DrafterObjective | None = None,
+                    state: TrainState, *, sampling: SamplingParams = SamplingParams(),
+                    drafter: DrafterObjective | None = None,
                     rules: PartitionRules = TRANSFORMER_RULES) -> TrainStep:
   """The jitted GRPO update over ``mesh`` for states shaped like ``state``.
+
+  sampling: the warp of the rollout the batches come from (``RolloutConfig.sampling``):
+  the learner's log-probs use it so the ratio compares like with like.
 
   ``state`` (concrete or ``jax.eval_shape``-abstract) fixes the train-state structure,
   e.g. whether reference and drafter slots are filled. ``drafter`` must be given
@@ -304,11 +320,12 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   """
   check((drafter is None) == (state.drafter_params is None), "make_train_step",
         "drafter", drafter, "a DrafterObjective exactly when the state has drafter_params")
+  check_warp(sampling, "make_train_step")
   policy_tx = make_optimizer(config)
   drafter_tx = make_optimizer(config, drafter_peak(config))
   schedule = learning_rate_schedule(config)
   state_shardings = train_state_shardings(state, mesh, rules)
-  loss_fn = _policy_and_drafter_loss(graphdef, config, mesh, drafter)
+  loss_fn = _policy_and_drafter_loss(graphdef, config, mesh, drafter, sampling)
   grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
   micro_batches = config.num_micro_batches
 
@@ -357,18 +374,22 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
 
 
 def make_log_prob_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
-                       params, *, rules: PartitionRules = TRANSFORMER_RULES
+                       params, *, sampling: SamplingParams = SamplingParams(),
+                       rules: PartitionRules = TRANSFORMER_RULES
                        ) -> Callable[[Any, Array, Array], Array]:
   """Jitted ``(params, tokens_BxT, response_mask_BxT) -> log-probs [B, T]`` on ``mesh``.
 
   The "log-prob" stage of a GRPO step: recomputing old (or reference) log-probs with
-  the trainer's numerics for the batch the sampler produced.
+  the trainer's numerics for the batch the sampler produced, under the sampler's warp
+  ``sampling``.
   """
+  del config  # the warp is all it reads of the learner's settings, and it is an argument
+  check_warp(sampling, "make_log_prob_step")
   param_shardings = named_shardings(params, mesh, rules)
 
   def log_probs(params, tokens_BxT, response_mask_BxT):
     logits = _forward(nnx.merge(graphdef, params), tokens_BxT, (), mesh).logits
-    return token_log_probs(logits, tokens_BxT, response_mask_BxT, config.sampling)
+    return token_log_probs(logits, tokens_BxT, response_mask_BxT, sampling)
 
   rows = batch_sharding(mesh)
   return jax.jit(log_probs, in_shardings=(param_shardings, rows, rows), out_shardings=rows)

@@ -73,6 +73,8 @@ class GRPOConfig:
   max_response_length: Dr.GRPO's constant normaliser; None uses the padded length T.
   tis_cap: truncated importance sampling between the trainer's old log-probs and the
     rollout engine's, weight min(pi_old / pi_rollout, cap); None disables it.
+  normalize_std: the advantages the learner computes from a group's rewards: divided
+    by the group's std (GRPO, True) or only centred (Dr.GRPO, False).
   """
 
   clip_eps_low: float = 0.2
@@ -81,6 +83,7 @@ class GRPOConfig:
   aggregation: str = "token-mean"
   max_response_length: int | None = None
   tis_cap: float | None = None
+  normalize_std: bool = True
 
   def __post_init__(self):
     owner = "GRPOConfig"
@@ -98,6 +101,8 @@ class GRPOConfig:
           owner, "max_response_length", length, "None or a positive integer")
     check(self.tis_cap is None or (is_finite_number(self.tis_cap) and self.tis_cap > 0),
           owner, "tis_cap", self.tis_cap, "None (no correction) or a finite number > 0")
+    check(isinstance(self.normalize_std, bool), owner, "normalize_std", self.normalize_std,
+          "True (GRPO) or False (Dr.GRPO)")
 
 
 def aggregation_weights(mask_BxT: Array, config: GRPOConfig) -> Array:

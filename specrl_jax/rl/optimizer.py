@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import optax
 
-from specrl_jax.config import SamplingParams, check, is_finite_number
+from specrl_jax.config import check, is_finite_number
 from specrl_jax.rl.losses import GRPOConfig
 
 Array = jax.Array
@@ -51,8 +51,6 @@ def non_negative_int(value) -> bool:
 class LearnerConfig:
   """Optimizer, schedule, micro-batching and the loss of the GRPO learner.
 
-  sampling: the rollout's SamplingParams; the trainer's log-probs use the same warp
-    so the ratio compares like with like.
   num_micro_batches: the per-replica batch is processed in this many sequential
     slices with gradients accumulated (memory, not math: the result is the same).
   max_grad_norm: global-norm clipping threshold, None to disable.
@@ -72,7 +70,6 @@ class LearnerConfig:
   max_grad_norm: float | None = 1.0
   num_micro_batches: int = 1
   loss: GRPOConfig = GRPOConfig()
-  sampling: SamplingParams = SamplingParams()
   drafter_learning_rate: float | None = None
 
   def __post_init__(self):
@@ -98,9 +95,6 @@ class LearnerConfig:
     check(non_negative_int(self.num_micro_batches) and self.num_micro_batches > 0, owner,
           "num_micro_batches", self.num_micro_batches, "a positive integer")
     check(isinstance(self.loss, GRPOConfig), owner, "loss", self.loss, "a GRPOConfig")
-    check(isinstance(self.sampling, SamplingParams) and not self.sampling.greedy, owner,
-          "sampling", self.sampling,
-          "SamplingParams with temperature > 0 (greedy log-probs have no gradient)")
     check(self.drafter_learning_rate is None
           or (is_finite_number(self.drafter_learning_rate) and self.drafter_learning_rate >= 0),
           owner, "drafter_learning_rate", self.drafter_learning_rate,

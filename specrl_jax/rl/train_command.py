@@ -48,9 +48,7 @@ from specrl_jax.rl.learner import TrainState, abstract_train_state, init_train_s
 from specrl_jax.rl.metrics import MetricsWriter, plot_run, read_jsonl, summarize, with_rates
 from specrl_jax.rl.meshes import check_layout, checkpoint_mesh, run_meshes
 from specrl_jax.rl.online_drafters import OnlineDrafter, online_drafter
-from specrl_jax.rl.sync import (
-    RLProgram, RolloutConfig, build_program, prompts_on_mesh, to_host,
-)
+from specrl_jax.rl.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
 from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
 from specrl_jax.sampling.results import PagePoolExhaustedError
@@ -69,9 +67,8 @@ class Session:
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
-    self.learner = config.rl.learner(self.task.max_response_tokens)
-    self.rollout_config = RolloutConfig(group_size=config.rl.group_size,
-                                        prompts_per_step=config.rl.prompts_per_step)
+    self.learner = config.rl.learner()
+    self.rollout_config = config.rl.rollout(self.task.max_response_tokens)
     self.engine = config.rl.engine()
     self.spec = SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
     self.timings: dict[str, float] = {}
@@ -139,7 +136,7 @@ class Session:
     drafter = DraftModel(models.draft)
     if not c.online:
       return drafter, None
-    return drafter, online_drafter(drafter, sampling=self.learner.sampling,
+    return drafter, online_drafter(drafter, sampling=self.rollout_config.sampling,
                                    loss_weight=c.loss_weight)
 
   def meshes(self):

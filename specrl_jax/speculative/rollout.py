@@ -101,6 +101,20 @@ class Speculation:
     return stats
 
 
+def acceptance_length(accepted_per_position, draft_rounds):
+  """Tokens per target call in the rounds that drafted: 1 + accepted drafts / drafted
+  rounds, and 1 when nothing was drafted (docs/metrics.md).
+
+  Traceable on jax arrays; host numbers stay in numpy (float64), so host stats read
+  exactly what they did before there was one formula for both.
+  """
+  xp = jnp if isinstance(accepted_per_position, jax.Array) or isinstance(
+      draft_rounds, jax.Array) else np
+  rounds = xp.maximum(draft_rounds, 1)
+  return xp.where(xp.asarray(draft_rounds) > 0,
+                  1.0 + xp.sum(accepted_per_position) / rounds, 1.0)
+
+
 def acceptance_stats(counters: dict) -> dict[str, Any]:
   """Acceptance length and per-position acceptance from a rollout's counters."""
   drafted_rounds = int(counters.get("draft_rounds", 0))
@@ -110,7 +124,7 @@ def acceptance_stats(counters: dict) -> dict[str, Any]:
   # Of the drafts at each position, the share accepted (a position is drafted only by
   # chains at least that long).
   drafted = np.asarray(counters["drafted_per_position"])
-  return {"acceptance_length": 1.0 + float(accepted.sum()) / drafted_rounds,
+  return {"acceptance_length": float(acceptance_length(accepted, drafted_rounds)),
           "per_position_acceptance": (accepted[drafted > 0] / drafted[drafted > 0]).tolist(),
           "draft_rounds": drafted_rounds}
 

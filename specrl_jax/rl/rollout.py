@@ -1,0 +1,224 @@
+"""The GRPO rollout: prompts -> G samples each -> rewards, as learner rows.
+
+``make_rollout`` builds the traceable, data-parallel rollout: under ``shard_map`` each
+(data, fsdp) shard decodes its own prompts' groups with its own paged KV pool,
+reading the policy weights gathered from their FSDP shards. It returns
+``Trajectories``: the learner's rows with the rollout's log-probs, per-sample rewards
+and lengths, and the engine's counters. Advantages and the learner's log-probs are
+the learner's (``rl.learn_step``), so a batch here holds only what the sampler
+produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from specrl_jax.config import SamplingParams, SpecConfig, check
+from specrl_jax.models import tokenizer
+from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
+from specrl_jax.parallel.rules import named_shardings, rollout_rules
+from specrl_jax.rl.learner import Batch, check_warp
+from specrl_jax.rl.online_drafters import OnlineDrafter
+from specrl_jax.rl.tasks.base import PromptBatch, Task
+from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.sampling.layout import engine_layout, padded_width
+from specrl_jax.sampling.sharded import engine_for_mesh, manual_axes
+from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.rollout import (
+    acceptance_length, rollout as engine_rollout, speculation,
+)
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class Trajectories:
+  """One rollout batch of R = prompts x group_size samples, ready to train on.
+
+  batch: the learner's Batch with the rollout's log-probs (``rollout_logprobs``);
+    its advantages and old_logprobs are left for the learner; rewards_R, lengths_R:
+    per sample;
+  counters: target_calls, slots (decode slots), slot_rounds (target calls x slots),
+    request_rounds (rounds the samples decoded in), draft_rounds, accepted_per_position [depth] (all summed
+    over rollout shards); exhausted: any shard's KV page pool ran out;
+  policy_version: the number of updates of the weights that generated it.
+  """
+  batch: Batch
+  rewards_R: Array
+  lengths_R: Array
+  counters: dict[str, Array]
+  exhausted: Array
+  policy_version: Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """group_size: samples per prompt (a GRPO group); prompts_per_step: prompts per RL
+  step; sampling: how the rollout samples (the learner's log-probs reuse its warp, so
+  the ratio compares like with like)."""
+  group_size: int = 8
+  prompts_per_step: int = 8
+  sampling: SamplingParams = SamplingParams()
+
+  def __post_init__(self):
+    owner = "RolloutConfig"
+    for name in ("group_size", "prompts_per_step"):
+      value = getattr(self, name)
+      check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner,
+            name, value, "a positive integer")
+    check(self.group_size > 1, owner, "group_size", self.group_size,
+          "at least 2 (advantages compare a sample with its group)")
+    check_warp(self.sampling, owner)
+
+
+def build_rows(prompt_tokens_RxT: Array, prompt_lengths_R: Array, response_RxL: Array,
+               response_lengths_R: Array, response_log_probs_RxL: Array
+               ) -> tuple[Array, Array, Array]:
+  """The learner's rows: prompt then response, right-padded with PAD.
+
+  Returns (tokens int32 [R, T + L], response mask [R, T + L], rollout log-probs
+  aligned with the tokens [R, T + L]).
+  """
+  prompt_width, response_width = prompt_tokens_RxT.shape[1], response_RxL.shape[1]
+  position_S = jnp.arange(prompt_width + response_width)
+  offset_RxS = position_S[None, :] - prompt_lengths_R[:, None]
+  in_response_RxS = (offset_RxS >= 0) & (offset_RxS < response_lengths_R[:, None])
+  read_RxS = jnp.clip(offset_RxS, 0, response_width - 1)
+  response_tokens = jnp.take_along_axis(response_RxL, read_RxS, axis=1)
+  prompt_tokens = jnp.pad(prompt_tokens_RxT, ((0, 0), (0, response_width)))
+  in_prompt_RxS = position_S[None, :] < prompt_lengths_R[:, None]
+  tokens = jnp.where(in_response_RxS, response_tokens,
+                     jnp.where(in_prompt_RxS, prompt_tokens, tokenizer.PAD_ID))
+  log_probs = jnp.where(in_response_RxS,
+                        jnp.take_along_axis(response_log_probs_RxL, read_RxS, axis=1), 0.0)
+  return tokens.astype(jnp.int32), in_response_RxS, log_probs
+
+
+def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
+                 rollout_config: RolloutConfig, mesh: Mesh, *, prompt_width: int,
+                 drafter: Drafter | None = None, spec: SpecConfig | None = None,
+                 engine: EngineConfig = EngineConfig()):
+  """The sharded, traceable rollout:
+  ``(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories``."""
+  sampling = rollout_config.sampling
+  group = rollout_config.group_size
+  shards = data_parallel_size(mesh)
+  check(rollout_config.prompts_per_step % shards == 0, "RolloutConfig", "prompts_per_step",
+        rollout_config.prompts_per_step,
+        f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
+        "groups)")
+  local_prompts = rollout_config.prompts_per_step // shards
+  engine = engine_for_mesh(engine, mesh)
+  width = padded_width(prompt_width, engine)
+  # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
+  bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
+  layout = engine_layout(model_config, prompt_width=width,
+                         prompt_pages=local_prompts * -(-width // engine.page_size),
+                         num_requests=local_prompts * group, sampling=sampling, engine=engine,
+                         drafter=bound_drafter, tensor_shards=mesh.shape["tensor"])
+  depth = topology.depth if topology is not None else 0
+
+  def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng):
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
+    num_prompts = tokens_PxT.shape[0]
+    prompt_of_request_R = jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), group)
+    last_request_P = jnp.arange(num_prompts, dtype=jnp.int32) * group + group - 1
+    final = engine_rollout(graphdef, params, drafter_params, tokens_PxT, lengths_P,
+                           prompt_of_request_R, last_request_P, rng, sampling=sampling,
+                           layout=layout, drafter=bound_drafter, topology=topology,
+                           draft_mode=draft_mode)
+    request_targets = jax.tree.map(lambda t: jnp.repeat(t, group, axis=0), targets)
+    rewards_R = task.reward(request_targets, final.out_tokens_RxL, final.out_lengths_R)
+    tokens, mask, log_probs = build_rows(
+        tokens_PxT[prompt_of_request_R], lengths_P[prompt_of_request_R], final.out_tokens_RxL,
+        final.out_lengths_R, final.out_log_probs_RxL)
+    counters = {"target_calls": final.counters["target_calls"],
+                "slots": jnp.int32(layout.num_slots),
+                "slot_rounds": final.counters["target_calls"] * layout.num_slots,
+                "request_rounds": jnp.sum(final.counters["request_rounds_R"]),
+                "draft_rounds": final.counters.get("draft_rounds", jnp.int32(0)),
+                "accepted_per_position": final.counters.get(
+                    "accepted_per_position", jnp.zeros((depth,), jnp.int32))}
+    per_shard = jax.tree.map(lambda x: x[None], (counters, final.pool.exhausted))
+    return tokens, mask, log_probs, rewards_R.astype(jnp.float32), final.out_lengths_R, per_shard
+
+  rows = P(BATCH_AXES)
+  # Manual over the batch axes only: each (data, fsdp) shard runs its own engine, while
+  # the "tensor" axis stays automatic, so weights sharded over it (heads, MLP columns)
+  # stay sharded and the compiler splits every layer and the KV pages' heads with them.
+  sharded = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), rows, rows, rows, P()),
+                          out_specs=(rows, rows, rows, rows, rows, rows),
+                          axis_names=rollout_manual_axes(mesh), check_vma=False)
+
+  def rollout(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories:
+    # Gathered over fsdp here, once: left to the partitioner, the gathers of weights
+    # sharded over fsdp (a batch axis of the rollout) can sink into the decode loop, whose
+    # trip count differs between batch shards, and its collectives then deadlock.
+    params, drafter_params = jax.lax.with_sharding_constraint(
+        (params, drafter_params), (named_shardings(params, mesh, rollout_rules()),
+                                   named_shardings(drafter_params, mesh, rollout_rules())))
+    tokens, mask, log_probs, rewards_R, lengths_R, (counters, exhausted) = sharded(
+        params, drafter_params, prompts.tokens_PxT, prompts.lengths_P, dict(prompts.targets),
+        rng)
+    batch = Batch(tokens=tokens, response_mask=mask, rollout_logprobs=log_probs)
+    return Trajectories(batch=batch, rewards_R=rewards_R, lengths_R=lengths_R,
+                        counters=jax.tree.map(lambda x: jnp.sum(x, axis=0), counters),
+                        exhausted=jnp.any(exhausted),
+                        policy_version=jnp.asarray(version, jnp.int32))
+
+  return rollout
+
+
+def rollout_manual_axes(mesh: Mesh) -> set[str]:
+  """Heads are split over "tensor" inside the rollout only on meshes without batch
+  shards: with data * fsdp > 1 each batch shard decodes with whole weights, replicated
+  over its tensor group (a two-process (2, 2, 2) sync run with split heads trained on
+  zero gradients, unexplained yet)."""
+  return manual_axes(mesh) if data_parallel_size(mesh) == 1 else set(mesh.axis_names)
+
+
+def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str, Array]:
+  """Reward, length and acceptance statistics of a rollout batch (device scalars)."""
+  rewards, lengths = trajectories.rewards_R, trajectories.lengths_R
+  counters = trajectories.counters
+  rounds = jnp.maximum(counters["draft_rounds"], 1).astype(jnp.float32)
+  accepted = counters["accepted_per_position"].astype(jnp.float32)
+  return {
+      "reward_mean": jnp.mean(rewards),
+      "reward_std": jnp.std(rewards),
+      "rewards_finite": jnp.all(jnp.isfinite(rewards)),
+      "response_length_mean": jnp.mean(lengths.astype(jnp.float32)),
+      "response_length_max": jnp.max(lengths),
+      "truncated_fraction": jnp.mean((lengths >= max_new_tokens).astype(jnp.float32)),
+      "generated_tokens": jnp.sum(lengths),
+      "target_calls": counters["target_calls"],
+      "rollout_slots": counters["slots"],
+      # Slot-rounds that decoded a live sequence: the rest is the batch waiting for its
+      # slowest samples once no request is left to refill a freed slot.
+      "slot_utilization": counters["request_rounds"] / jnp.maximum(counters["slot_rounds"], 1),
+      "acceptance_length": acceptance_length(accepted, counters["draft_rounds"]),
+      "per_position_acceptance": accepted / rounds,
+      "pool_exhausted": trajectories.exhausted,
+      "policy_version": trajectories.policy_version,
+  }
+
+
+def rollout_drafter_params(drafter: Drafter | None, online: OnlineDrafter | None
+                           ) -> Callable[[Any], Any]:
+  """``state -> drafter_params`` the rollout passes to ``drafter``: () without one,
+  the online drafter's view of ``state.drafter_params`` when it trains online, else
+  the drafter's own (fixed) params, read once here."""
+  if drafter is None:
+    return lambda state: ()
+  if online is not None:
+    return lambda state: online.rollout_params(state.drafter_params)
+  static = drafter.params()
+  return lambda state: static
