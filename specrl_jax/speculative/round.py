@@ -51,12 +51,7 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
                    tree.valid_NxK & active_N[:, None], tree.log_q_NxIxV, topology, draft_mode)
 
   # The root and the accepted path enter the cache at consecutive positions.
-  source_NxE = jnp.concatenate([jnp.zeros((num_slots, 1), jnp.int32),
-                                jnp.maximum(verdict.path_NxD, 0)], axis=1)
-  keep_NxE = jnp.concatenate([active_N[:, None], (verdict.path_NxD >= 0) & active_N[:, None]],
-                             axis=1)
-  commit_positions = jnp.where(keep_NxE, cached_N[:, None] + jnp.arange(depth + 1)[None, :], -1)
-  committed = out.kv.commit(source_NxE, commit_positions)
+  committed = out.kv.commit(*verdict.accepted_positions(cached_N, active_N))
   drafter_kv = LayerOffset(inner=committed.replace(stash=False), offset=model.config.num_layers)
   drafter_state, drafter_kv = drafter.finish(drafter_params, drafter_state, drafter_kv, inputs,
                                              verdict, out)

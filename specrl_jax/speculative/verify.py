@@ -31,7 +31,7 @@ Array = jax.Array
 class Verdict:
   """Outcome of one verification round for N slots and a tree of depth D.
 
-  path_ND: accepted node id at each depth (-1 after the first rejection).
+  path_NxD: accepted node id at each depth (-1 after the first rejection).
   num_accepted_N: accepted draft tokens (0..D).
   tokens_NxE, log_probs_NxE: the E = D + 1 emitted candidates (accepted drafts, then
     the final token), with the target's warped log-prob of each; valid up to
@@ -41,6 +41,21 @@ class Verdict:
   num_accepted_N: Array
   tokens_NxE: Array
   log_probs_NxE: Array
+
+  def accepted_positions(self, cache_lengths_N: Array, active_N: Array
+                         ) -> tuple[Array, Array]:
+    """(source_NxE, positions_NxE): the tree node of the root and of each accepted node
+    (0 past the path), and the cache position it enters at. The root sits at
+    cache_lengths_N[n] and the accepted nodes follow it; -1 past the path and for
+    inactive slots, so nothing is written there."""
+    num_slots, depth = self.path_NxD.shape
+    source_NxE = jnp.concatenate([jnp.zeros((num_slots, 1), jnp.int32),
+                                  jnp.maximum(self.path_NxD, 0)], axis=1)
+    keep_NxE = jnp.concatenate([active_N[:, None], (self.path_NxD >= 0) & active_N[:, None]],
+                               axis=1)
+    positions_NxE = jnp.where(keep_NxE,
+                              cache_lengths_N[:, None] + jnp.arange(depth + 1)[None, :], -1)
+    return source_NxE, positions_NxE
 
 
 def _take(x_NxV: Array, index_N: Array) -> Array:

@@ -8,6 +8,10 @@ and the engine turns each q into children (sampled without replacement, or the t
 tokens), verifies the tree against the target and emits the accepted path. Drafters are
 hashable static objects; their array state lives in ``params()`` and the per-slot
 ``state`` pytree the engine carries through the decode loop.
+
+Drafters that keep their own KV cache in the page pool (DraftModel, MTP, EAGLE-3) derive
+from ``cached.CachedDrafter``, which owns the cache bookkeeping (what is fed when, the
+feeding masks, the tree levels' scratch) and leaves them only their network.
 """
 
 from __future__ import annotations
@@ -47,24 +51,6 @@ class RoundInputs:
     return cls(last_token_N=state.last_token_N, cache_lengths_N=state.cache_lengths_N,
                history_NxC=state.history_NxC, active_N=state.active_N,
                prompt_lengths_N=state.prompt_lengths_N, slot_request_N=state.slot_request_N)
-
-
-def tokens_to_feed(inputs: RoundInputs, cached_N: Array, count_N: Array, width: int):
-  """count_N[n] tokens of slot n's history from position cached_N[n] on, padded to
-  ``width``. Returns (tokens_NxP, positions_NxP, valid_NxP); invalid entries hold 0."""
-  index_P = jnp.arange(width, dtype=jnp.int32)
-  positions_NxP = cached_N[:, None] + index_P[None, :]
-  valid_NxP = index_P[None, :] < count_N[:, None]
-  context = inputs.history_NxC.shape[1]
-  tokens_NxP = jnp.take_along_axis(inputs.history_NxC,
-                                   jnp.clip(positions_NxP, 0, context - 1), axis=1)
-  return jnp.where(valid_NxP, tokens_NxP, 0), positions_NxP, valid_NxP
-
-
-def unseen_tokens(inputs: RoundInputs, cached_N: Array) -> Array:
-  """Per active slot, the tokens before the last one that a drafter whose cache holds
-  cached_N[n] positions has not fed (what ``Drafter.catch_up`` feeds)."""
-  return jnp.where(inputs.active_N, jnp.maximum(inputs.cache_lengths_N - cached_N, 0), 0)
 
 
 class Drafter(abc.ABC):
@@ -123,7 +109,8 @@ class Drafter(abc.ABC):
 
   def finish(self, params, state, kv, inputs: RoundInputs, verdict, target_output
              ) -> tuple[Any, Any]:
-    """Sees the verification outcome (e.g. to read the target's hidden states)."""
+    """Sees the verification outcome (e.g. to read the target's hidden states; the
+    root and the accepted nodes entered the cache at ``verdict.accepted_positions``)."""
     return state, kv
 
   def record(self, params, state, kv, inputs: RoundInputs, target_output) -> tuple[Any, Any]:

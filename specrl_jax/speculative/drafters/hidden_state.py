@@ -9,8 +9,8 @@ target's feature, which is what training-time test trains for.
 Two of the drafter's layers live in the shared page pool (so allocation, prefix sharing
 and admission copies happen once for target and drafter):
   layer 0: the keys and values of its attention, kept in step with the target lazily
-    like DraftModel's (each round first feeds the tokens emitted since its cache was
-    last written);
+    by ``CachedDrafter`` like DraftModel's (each round first feeds the tokens emitted
+    since its cache was last written);
   layer 1: a feature store: what the target's feature is made from at every cache
     position (EAGLE-3: the three layers' hidden states, fused by its projection only
     when read; a plain round that records them pays no fusion), written at prefill and
@@ -34,7 +34,7 @@ from specrl_jax.config import ConfigError
 from specrl_jax.kv.paged import LayerOffset, PagedKV, read_pages, write_pages
 from specrl_jax.parallel.rules import path_string as rules_path
 from specrl_jax.sampling.warp import proposal_log_probs
-from specrl_jax.speculative.drafters.base import Drafter, tokens_to_feed, unseen_tokens
+from specrl_jax.speculative.drafters.cached import CachedDrafter
 
 Array = jax.Array
 
@@ -116,7 +116,7 @@ def merge_weights(graphdef: nnx.GraphDef, weights: dict[str, Any]) -> nnx.Module
   return nnx.merge(graphdef, weights["trainable"], weights["shared"])
 
 
-class HiddenStateDrafter(Drafter):
+class HiddenStateDrafter(CachedDrafter):
   """A one-layer drafter on the target's features (see the module docstring).
 
   Subclasses hold a frozen, hashable ``config`` and an nnx head implementing
@@ -189,12 +189,6 @@ class HiddenStateDrafter(Drafter):
     table = () if self.draft_to_target is None else jnp.asarray(self.draft_to_target, jnp.int32)
     return {"weights": self.weights, "draft_to_target": table}
 
-  def init_state(self, num_slots: int):
-    return {"cache_lengths_N": jnp.zeros((num_slots,), jnp.int32)}
-
-  def on_admit(self, params, state, admit_N, prompt_lengths_N):
-    return {"cache_lengths_N": jnp.where(admit_N, prompt_lengths_N, state["cache_lengths_N"])}
-
   def target_log_q(self, params, output_BxTxD: Array, sampling) -> Array:
     """log q over the *target* vocabulary; tokens outside the draft table get -inf, so
     they are never proposed."""
@@ -224,86 +218,41 @@ class HiddenStateDrafter(Drafter):
                            inputs_UxTxF)
     return state, kv.replace(inner=inner)
 
-  def _feed(self, params, kv: LayerOffset, inputs, cached_N, count_N, width: int):
-    """Runs the head over count_N[n] history tokens from position cached_N[n] on, each
-    with the stored feature of the position before, writing its KV. Returns (outputs
-    [N, width, D], kv)."""
+  def decode_fed(self, params, tokens_NxP, positions_NxP, valid_NxP, kv: LayerOffset):
+    """Each fed token reads the stored feature of the position before."""
     head = merge_weights(self.graphdef, params["weights"])
-    tokens_NxP, positions_NxP, valid_NxP = tokens_to_feed(inputs, cached_N, count_N, width)
-    index_P = jnp.arange(width, dtype=jnp.int32)
     # Fused here, not when stored: plain rounds of an idle drafter store and never fuse.
     features_NxPxD = head.fuse(read_features(kv.inner, kv.offset + FEATURE_LAYER,
                                              jnp.where(valid_NxP, positions_NxP - 1, -1),
                                              self.fusion_input_size))
-    causal_PxP = index_P[:, None] >= index_P[None, :]
-    step_kv = kv.replace(inner=kv.inner.replace(
-        prefix_lengths_B=cached_N,
-        new_mask_BxTxT=causal_PxP[None] & valid_NxP[:, None, :],
-        write_positions_BxT=jnp.where(valid_NxP, positions_NxP, -1)))
-    return head.decode(tokens_NxP, features_NxPxD, positions_NxP, step_kv)
+    return head.decode(tokens_NxP, features_NxPxD, positions_NxP, kv)
 
-  def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
-    cached_N = state["cache_lengths_N"]
-    pending_N = unseen_tokens(inputs, cached_N) + inputs.active_N  # and the last token
-    outputs_NxPxD, kv = self._feed(params, kv, inputs, cached_N, pending_N, max_pending)
-    root_Nx1xD = jnp.take_along_axis(outputs_NxPxD,
-                                     jnp.maximum(pending_N - 1, 0)[:, None, None], axis=1)
-    log_q_NxV = self.target_log_q(params, root_Nx1xD, sampling)[:, 0]
-    state = {"cache_lengths_N": jnp.where(inputs.active_N, inputs.cache_lengths_N + 1, cached_N)}
-    # Scratch: the uncommitted keys/values of drafted levels and the outputs of the
-    # latest level, which its children read as their feature.
-    return log_q_NxV, state, kv, ((), (), root_Nx1xD)
+  def root_log_q(self, params, root_Nx1xD, sampling):
+    return self.target_log_q(params, root_Nx1xD, sampling)[:, 0]
+
+  def decode_level(self, params, tokens_NxW, positions_NxW, parents_NxPxD, kv: LayerOffset,
+                   sampling):
+    """Each node reads its parent's output as its feature."""
+    head = merge_weights(self.graphdef, params["weights"])
+    # Breadth-first numbering: each parent's children are contiguous.
+    features_NxWxD = jnp.repeat(parents_NxPxD, tokens_NxW.shape[1] // parents_NxPxD.shape[1],
+                                axis=1)
+    outputs_NxWxD, kv = head.decode(tokens_NxW, features_NxWxD, positions_NxW, kv)
+    return self.target_log_q(params, outputs_NxWxD, sampling), outputs_NxWxD, kv
 
   # The target's features of plain rounds are stored by ``record``; the head's own
-  # KV over them is computed when it drafts again.
-  catches_up = True
-
-  def unseen_tokens(self, state, inputs):
-    return unseen_tokens(inputs, state["cache_lengths_N"])
-
-  def catch_up(self, params, state, kv: LayerOffset, inputs, max_tokens):
-    cached_N = state["cache_lengths_N"]
-    count_N = jnp.minimum(unseen_tokens(inputs, cached_N), max_tokens)
-    _, kv = self._feed(params, kv, inputs, cached_N, count_N, max_tokens)
-    return {"cache_lengths_N": cached_N + count_N}, kv
-
+  # KV over them is computed when it drafts again (``catch_up``).
   def record(self, params, state, kv: LayerOffset, inputs, target_output):
     positions_Nx1 = jnp.where(inputs.active_N, inputs.cache_lengths_N, -1)[:, None]
     inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, positions_Nx1,
                            self.fusion_inputs(params, target_output))
     return state, kv.replace(inner=inner)
 
-  def extend(self, params, state, kv: LayerOffset, scratch, inputs, sampling, depth,
-             tokens_NxW, paths_NxWxD, mask_WxE):
-    head = merge_weights(self.graphdef, params["weights"])
-    scratch_k, scratch_v, parents_NxPxD = scratch
-    num_slots, width = tokens_NxW.shape
-    # Breadth-first numbering: each parent's children are contiguous.
-    features_NxWxD = jnp.repeat(parents_NxPxD, width // parents_NxPxD.shape[1], axis=1)
-    positions_NxW = jnp.broadcast_to((inputs.cache_lengths_N + depth)[:, None],
-                                     (num_slots, width))
-    level_kv = kv.replace(inner=kv.inner.replace(
-        prefix_lengths_B=inputs.cache_lengths_N + 1,
-        new_mask_BxTxT=jnp.broadcast_to(jnp.asarray(mask_WxE), (num_slots,) + mask_WxE.shape),
-        write_positions_BxT=jnp.full((num_slots, width), -1, jnp.int32),
-        stash=True, new_k=(), new_v=(), scratch_k=scratch_k, scratch_v=scratch_v))
-    outputs_NxWxD, level_kv = head.decode(tokens_NxW, features_NxWxD, positions_NxW, level_kv)
-    new_k, new_v = level_kv.inner.new_k, level_kv.inner.new_v
-    if scratch_k:
-      new_k = tuple(jnp.concatenate([old, new], axis=1) for old, new in zip(scratch_k, new_k))
-      new_v = tuple(jnp.concatenate([old, new], axis=1) for old, new in zip(scratch_v, new_v))
-    return self.target_log_q(params, outputs_NxWxD, sampling), (new_k, new_v, outputs_NxWxD)
-
   def finish(self, params, state, kv: LayerOffset, inputs, verdict, target_output):
-    # The root and the accepted nodes sit at consecutive positions from the root's:
-    # their features are the next round's pending inputs.
-    num_slots, depth = verdict.path_NxD.shape
-    source_NxE = jnp.concatenate([jnp.zeros((num_slots, 1), jnp.int32),
-                                  jnp.maximum(verdict.path_NxD, 0)], axis=1)
-    keep_NxE = jnp.concatenate([inputs.active_N[:, None],
-                                (verdict.path_NxD >= 0) & inputs.active_N[:, None]], axis=1)
-    positions_NxE = jnp.where(
-        keep_NxE, inputs.cache_lengths_N[:, None] + jnp.arange(depth + 1)[None, :], -1)
+    # The root and the accepted nodes enter the cache where the target's KV did: their
+    # features are the next round's pending inputs.
+    source_NxE, positions_NxE = verdict.accepted_positions(inputs.cache_lengths_N,
+                                                           inputs.active_N)
     inputs_NxExF = self.fusion_inputs(params, target_output, source_NxE)
     inner = write_features(kv.inner, kv.offset + FEATURE_LAYER, positions_NxE, inputs_NxExF)
     return state, kv.replace(inner=inner)
