@@ -1,9 +1,10 @@
 """Package faces whose names load on first access.
 
-A face that imported its modules eagerly would close import cycles (speculative/ and
-sampling/ import each other's modules) and make ``import specrl_jax`` pay for rl/ and
-sim/. Instead each public name maps to the module that defines it and is imported
-when first read; the map is one line per name, so moving a name is a one-line change.
+A face that imported its modules eagerly would make importing any one module of a
+package import all of its siblings first (speculative/'s adaptive engine pulls in sim/),
+and ``import specrl_jax`` pay for rl/ and sim/. Instead each public name maps to the
+module that defines it and is imported when first read; the map is one line per name,
+so moving a name is a one-line change.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def learner_run(mesh):
   """STEPS GRPO updates on ``mesh``: (final state, per-step metrics as floats)."""
   state = init_train_state(make_params, LEARNER, mesh, rng=jax.random.key(0))
   step_fn = make_train_step(graphdef(), LEARNER, mesh, state)
-  log_probs = make_log_prob_step(graphdef(), LEARNER, mesh, state.params)
+  log_probs = make_log_prob_step(graphdef(), mesh, state.params)
   history = []
   for step in range(STEPS):
     batch = load_batch(step, batch_sharding(mesh))
@@ -98,8 +98,8 @@ def async_round_trip(rollout_mesh, train_mesh, everywhere):
   state = init_train_state(make_params, LEARNER, train_mesh, rng=jax.random.key(0))
   step_fn = make_train_step(graphdef(), LEARNER, train_mesh, state)
   rollout_params = NamedSharding(rollout_mesh, P())  # whole weights on each rollout device
-  rollout_log_probs = make_log_prob_step(graphdef(), LEARNER, rollout_mesh, state.params)
-  train_log_probs = make_log_prob_step(graphdef(), LEARNER, train_mesh, state.params)
+  rollout_log_probs = make_log_prob_step(graphdef(), rollout_mesh, state.params)
+  train_log_probs = make_log_prob_step(graphdef(), train_mesh, state.params)
   history = []
   for step in range(STEPS):
     pushed = distributed.transfer(state.params, rollout_params)

@@ -189,7 +189,7 @@ def test_drafter_loss_is_computed_on_the_policy_hidden_states_and_decreases(setu
 def test_log_prob_step_matches_unsharded_log_probs(setup):
   mesh = parallel.make_mesh((2, 2, 2))
   batch = setup["batch"]
-  log_prob_step = rl.make_log_prob_step(setup["graphdef"], CONFIG, mesh, setup["params"],
+  log_prob_step = rl.make_log_prob_step(setup["graphdef"], mesh, setup["params"],
                                         sampling=SAMPLING)
   got = log_prob_step(setup["params"], batch.tokens, batch.response_mask)
   want = rl.policy_log_probs(setup["model"], batch.tokens, batch.response_mask, SAMPLING)

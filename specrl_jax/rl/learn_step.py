@@ -63,6 +63,5 @@ def make_learn_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   return LearnStep(
       train_step=make_train_step(graphdef, config, mesh, state, sampling=sampling,
                                  drafter=drafter),
-      log_prob_step=make_log_prob_step(graphdef, config, mesh, state.params,
-                                       sampling=sampling),
+      log_prob_step=make_log_prob_step(graphdef, mesh, state.params, sampling=sampling),
       group_size=rollout.group_size)

@@ -373,8 +373,8 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   return TrainStep(jitted=jitted, mesh=mesh, config=config, state_shardings=state_shardings)
 
 
-def make_log_prob_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
-                       params, *, sampling: SamplingParams = SamplingParams(),
+def make_log_prob_step(graphdef: nnx.GraphDef, mesh: Mesh, params, *,
+                       sampling: SamplingParams = SamplingParams(),
                        rules: PartitionRules = TRANSFORMER_RULES
                        ) -> Callable[[Any, Array, Array], Array]:
   """Jitted ``(params, tokens_BxT, response_mask_BxT) -> log-probs [B, T]`` on ``mesh``.
@@ -383,7 +383,6 @@ def make_log_prob_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh
   the trainer's numerics for the batch the sampler produced, under the sampler's warp
   ``sampling``.
   """
-  del config  # the warp is all it reads of the learner's settings, and it is an argument
   check_warp(sampling, "make_log_prob_step")
   param_shardings = named_shardings(params, mesh, rules)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from collections.abc import Callable
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams
 from specrl_jax.models.transformer import ForwardOutput, Transformer

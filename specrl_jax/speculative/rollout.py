@@ -92,12 +92,12 @@ class Speculation:
     stats = acceptance_stats(final.counters)
     if shards is None:
       stats["drafter"] = self.drafter.stats(final.drafter)
-    if placement is not None:
-      stats["drafter_sharding"] = placement
-    if shards is not None:
+    else:
       stats["drafter_per_shard"] = [
           self.drafter.stats(jax.tree.map(lambda x, s=shard: x[s], final.drafter))
           for shard in range(shards)]
+    if placement is not None:
+      stats["drafter_sharding"] = placement
     return stats
 
 
