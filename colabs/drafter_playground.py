@@ -88,7 +88,7 @@ class Bigram(sj.drafters.Drafter):
     return params[inputs.last_token_N], state, kv, ()
 
   def extend(self, params, state, kv, scratch, inputs, sampling, depth, tokens_NxW,
-             paths_NxWxD, mask_WxE):
+             paths_NxWxZ, mask_WxJ):
     return params[tokens_NxW], scratch
 
 

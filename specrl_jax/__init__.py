@@ -2,6 +2,27 @@
 
 ``sj.rl``, ``sj.sim``, ``sj.testing`` and ``sj.parallel`` import on first access, so
 ``import specrl_jax`` does not pay for the RL stack.
+
+Array names end in their shape, one letter per axis joined by "x" (``k_pages_PxKxSxD``).
+Each letter means one thing across the package; G, P, R and A carry a second meaning
+confined to named layers, as listed:
+
+  B  rows of a forward pass            T  tokens per row (queries)
+  L  tokens of a sequence: keys attended, a response, a context window
+  D  feature width (hidden size, head dim)   F  a second width (MLP, rotary, fused features)
+  V  vocabulary                        H  query heads    K  KV heads
+  G  a group: query heads per KV head in attention; samples per prompt in GRPO
+  N  decode slots                      U  requests (prompts to decode, finished rollouts)
+  P  pages of the KV pool (kv/, kernels/); prompts of an RL batch or history bank (rl/, history)
+  M  pages per sequence (page-table width)    S  tokens per page
+  A  pages one call allocates (kv/, the engine); answer tokens of a task reward (rl/tasks)
+  R  result rows: a request's output row, a GRPO response; in paged attention the T*G
+     query rows one KV head serves
+  C  tokens a slot's drafter can match against (its prompt and output, earlier rollouts)
+  J  drafted tree nodes, the root excluded (a chain's k)   Y  tree nodes with the root (J + 1)
+  I  internal tree nodes (a level's parents)   W  nodes of one tree level
+  Z  draft depth                       E  candidates a round emits (Z + 1)
+  Q  data shards of a sharded call     O  outcomes of a categorical test
 """
 
 from specrl_jax import drafters

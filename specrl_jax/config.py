@@ -36,8 +36,14 @@ def is_finite_number(value: Any) -> bool:
           and math.isfinite(value))
 
 
-def _positive_int(owner: str, name: str, value: Any) -> None:
+def check_positive_int(owner: str, name: str, value: Any) -> None:
+  """The package's one positive-integer check (Python or numpy ints, never bools)."""
   check(is_integer(value) and value > 0, owner, name, value, "a positive integer")
+
+
+def check_non_negative_int(owner: str, name: str, value: Any,
+                           allowed: str = "an integer >= 0") -> None:
+  check(is_integer(value) and value >= 0, owner, name, value, allowed)
 
 
 def normalise_numbers(config: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()
@@ -81,7 +87,7 @@ class ModelConfig:
     owner = "ModelConfig"
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-      _positive_int(owner, name, getattr(self, name))
+      check_positive_int(owner, name, getattr(self, name))
     check(self.num_heads % self.num_kv_heads == 0, owner, "num_kv_heads",
           self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
     check(self.head_dim % 2 == 0, owner, "head_dim", self.head_dim,
@@ -179,7 +185,7 @@ class SamplingParams:
           "an integer >= 0 (0 disables top-k)")
     check(is_finite_number(self.top_p) and 0 < self.top_p <= 1, owner, "top_p",
           self.top_p, "a number in (0, 1] (1 disables top-p)")
-    _positive_int(owner, "max_new_tokens", self.max_new_tokens)
+    check_positive_int(owner, "max_new_tokens", self.max_new_tokens)
     stops = self.stop_token_ids
     check(isinstance(stops, tuple) and all(is_integer(t) and t >= 0 for t in stops),
           owner, "stop_token_ids", stops, "a tuple of non-negative token ids")
@@ -233,7 +239,7 @@ class SpecConfig:
 
   def __post_init__(self):
     owner = "SpecConfig"
-    _positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
+    check_positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
     check(self.num_draft_tokens <= MAX_DRAFT_TOKENS, owner, "num_draft_tokens",
           self.num_draft_tokens, f"at most {MAX_DRAFT_TOKENS} (each draft position is "
           "unrolled into the compiled round: longer chains take minutes to compile and "
@@ -256,7 +262,7 @@ class SpecConfig:
     check(not (self.adaptive and self.tree is not None), owner, "tree", self.tree,
           "None when adaptive=True (adaptive speculation chooses a chain length; a static "
           "tree has none to choose)")
-    _positive_int(owner, "rounds_per_decision", self.rounds_per_decision)
+    check_positive_int(owner, "rounds_per_decision", self.rounds_per_decision)
     normalise_numbers(self, ints=("num_draft_tokens", "rounds_per_decision"))
 
   @property

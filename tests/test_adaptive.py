@@ -24,9 +24,9 @@ def observe_rounds(controller, k, *, seconds_per_round, acceptance, slots=8, rou
   for rate in acceptance[:k]:
     accepted.append(reached * rate)
     reached *= rate
-  accepted_D = np.zeros(controller.k_max)
-  accepted_D[:k] = accepted
-  controller.observe(k, rounds, seconds_per_round * rounds, accepted_D,
+  accepted_Z = np.zeros(controller.k_max)
+  accepted_Z[:k] = accepted
+  controller.observe(k, rounds, seconds_per_round * rounds, accepted_Z,
                      slots * rounds if k else 0)
 
 
@@ -58,7 +58,7 @@ def test_a_batch_without_a_clean_timing_leaves_the_length_to_be_measured_again()
   # A length's first batch includes compiling it: its time says nothing about a round.
   controller = DraftLengthController(k_max=2)
   controller.observe(2, 8, None, np.array([40.0, 20.0]), 64)
-  assert controller.round_seconds == {} and controller.reached_D[0] == 64
+  assert controller.round_seconds == {} and controller.reached_Z[0] == 64
   assert controller.choose() == 2
 
 
@@ -381,7 +381,7 @@ def test_a_controller_passed_to_every_call_carries_its_measurements_over(target,
                     controller=controller, rng=jax.random.key(1))
   assert first.stats["draft_length_schedule"] == controller.history[:decisions]
   assert second.stats["draft_length_schedule"] == controller.history[decisions:]
-  assert controller.reached_D[0] > 0  # acceptance was measured and kept
+  assert controller.reached_Z[0] > 0  # acceptance was measured and kept
   with pytest.raises(ValueError, match="k_max=3"):
     generate(target, prompts, sampling=sampling, drafter=noisy_drafter, spec=spec,
              controller=DraftLengthController(k_max=3))

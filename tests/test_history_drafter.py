@@ -214,10 +214,10 @@ def start_round(drafter, params, state, inputs):
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "depth"))
-def extend_round(drafter, params, state, scratch, inputs, depth, tokens_NxW, paths_NxWxD):
+def extend_round(drafter, params, state, scratch, inputs, depth, tokens_NxW, paths_NxWxZ):
   width = tokens_NxW.shape[1]
   return drafter.extend(params, state, (), scratch, inputs, ROUND_SAMPLING, depth, tokens_NxW,
-                        paths_NxWxD, np.ones((width, width), bool))[0]
+                        paths_NxWxZ, np.ones((width, width), bool))[0]
 
 
 @functools.partial(jax.jit, static_argnames="drafter")
@@ -250,7 +250,7 @@ def test_a_finished_rollout_whose_slot_is_reused_is_kept_for_its_siblings():
   # Round 1: slot 0 serves request 0 (about to emit 6 and 7), slot 1 is free.
   first = round_inputs([(PROMPT, [4, 5]), None], requests=[0, -1])
   _, state, _ = start_round(drafter, drafter.params(), drafter.init_state(2), first)
-  verdict = Verdict(path_NxD=np.asarray([[1, -1], [-1, -1]], np.int32),
+  verdict = Verdict(path_NxZ=np.asarray([[1, -1], [-1, -1]], np.int32),
                     num_accepted_N=np.asarray([1, 0], np.int32),
                     tokens_NxE=np.asarray([[6, 7, 0], [0, 0, 0]], np.int32),
                     log_probs_NxE=np.zeros((2, 3), np.float32))

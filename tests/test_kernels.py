@@ -244,7 +244,7 @@ def test_inconsistent_shapes_are_rejected_by_name():
                           num_kv_heads=2, groups=1))
   args[7] = args[7][:, :1]
   for kernel in KERNELS.values():
-    with pytest.raises(ValueError, match="new_mask_BxTxN has shape"):
+    with pytest.raises(ValueError, match="new_mask_BxTxL has shape"):
       kernel(*args)
   with pytest.raises(ConfigError, match="pages_per_block=0"):
     paged_attention_tpu(*make_inputs(page_size=16, prefix_lengths=(6,),

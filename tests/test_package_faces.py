@@ -42,11 +42,11 @@ def test_unknown_name_is_an_attribute_error():
     importlib.import_module("specrl_jax.sampling").nonexistent  # noqa: B018
 
 
-def test_import_does_not_load_rl():
+def test_import_loads_neither_rl_nor_the_simulator():
   # A fresh interpreter: this one has imported rl already.
   code = ("import sys, specrl_jax; "
           "print(sorted(m for m in sys.modules if m.startswith(('specrl_jax.rl', "
-          "'specrl_jax.testing'))))")
+          "'specrl_jax.sim', 'specrl_jax.testing'))))")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
   assert result.stdout.strip() == "[]"

@@ -92,10 +92,10 @@ def resolve_attention(attention: str, backend: str | None = None) -> AttentionPl
 
 
 def paged_attention(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSxD: Array,
-                    page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxNxKxD: Array,
-                    v_new_BxNxKxD: Array, new_mask_BxTxN: Array, *,
+                    page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxLxKxD: Array,
+                    v_new_BxLxKxD: Array, new_mask_BxTxL: Array, *,
                     attention: str = "auto") -> Array:
   """Decode / verification attention through the choice ``attention`` on this backend."""
   return resolve_attention(attention).decode(
       q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM, prefix_lengths_B,
-      k_new_BxNxKxD, v_new_BxNxKxD, new_mask_BxTxN)
+      k_new_BxLxKxD, v_new_BxLxKxD, new_mask_BxTxL)

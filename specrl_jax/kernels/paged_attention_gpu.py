@@ -3,7 +3,7 @@
 Same contract as ``specrl_jax.kv.paged.paged_attention_reference``: T query tokens per
 sequence (1 for plain decode, a chain or tree of drafts for verification) see the
 sequence's committed prefix, stored in pages of a shared pool, and N >= T new keys by
-``new_mask_BxTxN`` (scratch keys of shallower tree levels first, then the call's own T);
+``new_mask_BxTxL`` (scratch keys of shallower tree levels first, then the call's own T);
 a query row that sees no key gives zeros.
 
 Kernel layout: grid = (batch, KV head). One program owns the R = T * groups query rows
@@ -49,16 +49,16 @@ def fits_triton(page_size: int, head_dim: int) -> bool:
 
 
 def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSxD: Array,
-                        page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxNxKxD: Array,
-                        v_new_BxNxKxD: Array, new_mask_BxTxN: Array, *,
+                        page_table_BxM: Array, prefix_lengths_B: Array, k_new_BxLxKxD: Array,
+                        v_new_BxLxKxD: Array, new_mask_BxTxL: Array, *,
                         interpret: bool = False, num_warps: int = 4,
                         num_stages: int = 2) -> Array:
   """Paged attention as a Pallas (Triton) kernel; the reference's contract. [B, T, H, D]."""
   check_paged_attention_shapes(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
-                               prefix_lengths_B, k_new_BxNxKxD, v_new_BxNxKxD, new_mask_BxTxN)
+                               prefix_lengths_B, k_new_BxLxKxD, v_new_BxLxKxD, new_mask_BxTxL)
   batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
   _, num_kv_heads, page_size, _ = k_pages_PxKxSxD.shape
-  new_keys = new_mask_BxTxN.shape[-1]
+  new_keys = new_mask_BxTxL.shape[-1]
   if not interpret and not fits_triton(page_size, head_dim):
     raise ValueError(f"paged_attention_gpu: page_size={page_size}, head_dim={head_dim}; the "
                      f"Triton lowering needs powers of two >= {_MIN_DOT} (interpret mode "
@@ -74,13 +74,13 @@ def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSx
   pad_keys = ((0, 0), (0, 0), (0, keys_padded - new_keys), (0, 0))
   # As in the reference: keys in the query dtype, values in the pool's (a bfloat16 pool
   # under float32 activations: EngineConfig.kv_dtype).
-  k_new_BxKxNxD = jnp.pad(k_new_BxNxKxD.astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3),
+  k_new_BxKxLxD = jnp.pad(k_new_BxLxKxD.astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3),
                           pad_keys)
-  v_new_BxKxNxD = jnp.pad(v_new_BxNxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3),
+  v_new_BxKxLxD = jnp.pad(v_new_BxLxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3),
                           pad_keys)
   # Booleans are no memory type Triton loads well; int32 is. Padded rows and keys: 0.
-  mask_BxRxN = jnp.repeat(new_mask_BxTxN.astype(jnp.int32), groups, axis=1)
-  mask_BxRxN = jnp.pad(mask_BxRxN, ((0, 0), (0, rows_padded - rows),
+  mask_BxRxL = jnp.repeat(new_mask_BxTxL.astype(jnp.int32), groups, axis=1)
+  mask_BxRxL = jnp.pad(mask_BxRxL, ((0, 0), (0, rows_padded - rows),
                                     (0, keys_padded - new_keys)))
 
   per_head = lambda b, h: (b, h, 0, 0)
@@ -107,7 +107,7 @@ def paged_attention_gpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSx
       interpret=interpret,
       name="paged_attention_gpu",
   )(page_table_BxM.astype(jnp.int32), prefix_lengths_B.astype(jnp.int32), q_BxKxRxD,
-    k_new_BxKxNxD, v_new_BxKxNxD, mask_BxRxN, k_pages_PxKxSxD, v_pages_PxKxSxD)
+    k_new_BxKxLxD, v_new_BxKxLxD, mask_BxRxL, k_pages_PxKxSxD, v_pages_PxKxSxD)
   return (out_BxKxRxD[:, :, :rows].reshape(batch, num_kv_heads, q_len, groups, head_dim)
           .transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim))
 
@@ -119,18 +119,18 @@ def _kernel(page_table_ref, prefix_lengths_ref, q_ref, k_new_ref, v_new_ref, mas
   q_RxD = q_ref[...]
   rows, head_dim = q_RxD.shape
 
-  def attend(carry, k_NxD, v_NxD, visible_RxN):
+  def attend(carry, k_LxD, v_LxD, visible_RxL):
     acc_RxD, max_R, sum_R = carry
-    scores_RxN = plgpu.dot(q_RxD, k_NxD, trans_b=True, precision=precision) * scale
-    scores_RxN = jnp.where(visible_RxN, scores_RxN, MASK_VALUE)
-    max_new_R = jnp.maximum(max_R, jnp.max(scores_RxN, axis=1))
+    scores_RxL = plgpu.dot(q_RxD, k_LxD, trans_b=True, precision=precision) * scale
+    scores_RxL = jnp.where(visible_RxL, scores_RxL, MASK_VALUE)
+    max_new_R = jnp.maximum(max_R, jnp.max(scores_RxL, axis=1))
     # Masked keys get exactly zero weight, so a row that has seen nothing keeps sum 0
     # (and the running max starts at the mask value, not -inf: -inf - -inf is NaN).
-    probs_RxN = jnp.where(visible_RxN, jnp.exp(scores_RxN - max_new_R[:, None]), 0.0)
+    probs_RxL = jnp.where(visible_RxL, jnp.exp(scores_RxL - max_new_R[:, None]), 0.0)
     rescale_R = jnp.exp(max_R - max_new_R)
-    acc_RxD = rescale_R[:, None] * acc_RxD + plgpu.dot(probs_RxN.astype(v_NxD.dtype), v_NxD,
+    acc_RxD = rescale_R[:, None] * acc_RxD + plgpu.dot(probs_RxL.astype(v_LxD.dtype), v_LxD,
                                                     precision=precision)
-    return acc_RxD, max_new_R, rescale_R * sum_R + jnp.sum(probs_RxN, axis=1)
+    return acc_RxD, max_new_R, rescale_R * sum_R + jnp.sum(probs_RxL, axis=1)
 
   def page_step(index, carry):
     page = page_table_ref[b, index]

@@ -4,7 +4,7 @@ One call attends ``T`` query tokens per sequence (1 for plain decode, a chain or
 of drafts for verification) to two kinds of keys: the sequence's committed prefix,
 stored in pages of a shared pool and visible to every query, and N >= T new keys (the
 call's own, after any scratch keys of shallower tree levels), visible according to
-``new_mask_BxTxN``. The result matches
+``new_mask_BxTxL``. The result matches
 ``specrl_jax.kv.paged.paged_attention_reference``, which gathers every page and runs
 dense masked attention; this kernel instead streams only the pages a sequence uses.
 
@@ -53,8 +53,8 @@ _TARGET_KEYS_PER_BLOCK = 128
 
 def paged_attention_tpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
                         v_pages_PxKxSxD: Array, page_table_BxM: Array,
-                        prefix_lengths_B: Array, k_new_BxNxKxD: Array,
-                        v_new_BxNxKxD: Array, new_mask_BxTxN: Array, *,
+                        prefix_lengths_B: Array, k_new_BxLxKxD: Array,
+                        v_new_BxLxKxD: Array, new_mask_BxTxL: Array, *,
                         interpret: bool = False,
                         pages_per_block: int | None = None) -> Array:
   """Paged attention as a Pallas kernel; same contract as the reference. [B, T, H, D].
@@ -67,8 +67,8 @@ def paged_attention_tpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
   _, num_kv_heads, page_size, _ = k_pages_PxKxSxD.shape
   max_pages = page_table_BxM.shape[1]
   check_paged_attention_shapes(q_BxTxHxD, k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM,
-                               prefix_lengths_B, k_new_BxNxKxD, v_new_BxNxKxD, new_mask_BxTxN)
-  new_keys = new_mask_BxTxN.shape[-1]
+                               prefix_lengths_B, k_new_BxLxKxD, v_new_BxLxKxD, new_mask_BxTxL)
+  new_keys = new_mask_BxTxL.shape[-1]
   if pages_per_block is None:
     pages_per_block = min(max_pages, max(1, _TARGET_KEYS_PER_BLOCK // page_size))
   check(isinstance(pages_per_block, int) and 1 <= pages_per_block, "paged_attention_tpu",
@@ -81,10 +81,10 @@ def paged_attention_tpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
   q_BxKxRxD = (q_BxTxHxD.reshape(batch, q_len, num_kv_heads, groups, head_dim)
                .transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim))
   # As in the reference: keys in the query dtype, values in the pool's.
-  k_new_BxKxNxD = k_new_BxNxKxD.astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3)
-  v_new_BxKxNxD = v_new_BxNxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
+  k_new_BxKxLxD = k_new_BxLxKxD.astype(q_BxTxHxD.dtype).transpose(0, 2, 1, 3)
+  v_new_BxKxLxD = v_new_BxLxKxD.astype(v_pages_PxKxSxD.dtype).transpose(0, 2, 1, 3)
   # Booleans are not a supported memory type on every backend; int32 is.
-  new_mask_BxTxN = new_mask_BxTxN.astype(jnp.int32)
+  new_mask_BxTxL = new_mask_BxTxL.astype(jnp.int32)
 
   def page_index_map(slot_in_block):
     def index_map(b, kv_head, block, page_table_ref, prefix_lengths_ref):
@@ -122,7 +122,7 @@ def paged_attention_tpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
   )(page_table_BxM.astype(jnp.int32), prefix_lengths_B.astype(jnp.int32), q_BxKxRxD,
-    k_new_BxKxNxD, v_new_BxKxNxD, new_mask_BxTxN,
+    k_new_BxKxLxD, v_new_BxKxLxD, new_mask_BxTxL,
     *([k_pages_PxKxSxD] * pages_per_block), *([v_pages_PxKxSxD] * pages_per_block))
   return (out_BxKxRxD.reshape(batch, num_kv_heads, q_len, groups, head_dim)
           .transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim))
@@ -148,18 +148,18 @@ def _paged_attention_kernel(page_table_ref, prefix_lengths_ref, q_ref, k_new_ref
 
   @pl.when(block * block_keys < prefix_length)
   def _prefix_block():
-    k_NxD = jnp.concatenate([ref[...] for ref in k_page_refs], axis=0)
-    v_NxD = jnp.concatenate([ref[...] for ref in v_page_refs], axis=0)
-    position_1xN = block * block_keys + jax.lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
-    state.update(k_NxD, v_NxD, position_1xN < prefix_length)
+    k_LxD = jnp.concatenate([ref[...] for ref in k_page_refs], axis=0)
+    v_LxD = jnp.concatenate([ref[...] for ref in v_page_refs], axis=0)
+    position_1xL = block * block_keys + jax.lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
+    state.update(k_LxD, v_LxD, position_1xL < prefix_length)
 
   @pl.when(block == pl.num_programs(2) - 1)
   def _new_tokens_and_output():
-    mask_TxN = new_mask_ref[...] != 0
-    q_len, new_keys = mask_TxN.shape
-    mask_RxN = jnp.broadcast_to(mask_TxN[:, None, :], (q_len, groups, new_keys)).reshape(
+    mask_TxL = new_mask_ref[...] != 0
+    q_len, new_keys = mask_TxL.shape
+    mask_RxL = jnp.broadcast_to(mask_TxL[:, None, :], (q_len, groups, new_keys)).reshape(
         q_len * groups, new_keys)
-    state.update(k_new_ref[...], v_new_ref[...], mask_RxN)
+    state.update(k_new_ref[...], v_new_ref[...], mask_RxL)
     total = sum_ref[...]
     out = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0)
     out_ref[...] = out.astype(out_ref.dtype)
@@ -172,18 +172,18 @@ class _OnlineSoftmax:
     self.q_ref, self.max_ref, self.sum_ref, self.acc_ref = q_ref, max_ref, sum_ref, acc_ref
     self.scale = scale
 
-  def update(self, k_NxD: Array, v_NxD: Array, visible_RxN: Array) -> None:
+  def update(self, k_LxD: Array, v_LxD: Array, visible_RxL: Array) -> None:
     contract_last = (((1,), (1,)), ((), ()))
     q_RxD = self.q_ref[...]
-    scores_RxN = jax.lax.dot_general(q_RxD, k_NxD.astype(q_RxD.dtype), contract_last,
+    scores_RxL = jax.lax.dot_general(q_RxD, k_LxD.astype(q_RxD.dtype), contract_last,
                                      preferred_element_type=jnp.float32) * self.scale
-    scores_RxN = jnp.where(visible_RxN, scores_RxN, MASK_VALUE)
+    scores_RxL = jnp.where(visible_RxL, scores_RxL, MASK_VALUE)
     max_prev = self.max_ref[...]
-    max_new = jnp.maximum(max_prev, scores_RxN.max(axis=1, keepdims=True))
+    max_new = jnp.maximum(max_prev, scores_RxL.max(axis=1, keepdims=True))
     # Masked keys get exactly zero weight, so a row that has seen nothing keeps sum 0.
-    probs_RxN = jnp.where(visible_RxN, jnp.exp(scores_RxN - max_new), 0.0)
+    probs_RxL = jnp.where(visible_RxL, jnp.exp(scores_RxL - max_new), 0.0)
     rescale = jnp.exp(max_prev - max_new)
-    self.sum_ref[...] = rescale * self.sum_ref[...] + probs_RxN.sum(axis=1, keepdims=True)
+    self.sum_ref[...] = rescale * self.sum_ref[...] + probs_RxL.sum(axis=1, keepdims=True)
     self.acc_ref[...] = rescale * self.acc_ref[...] + jnp.dot(
-        probs_RxN.astype(v_NxD.dtype), v_NxD, preferred_element_type=jnp.float32)
+        probs_RxL.astype(v_LxD.dtype), v_LxD, preferred_element_type=jnp.float32)
     self.max_ref[...] = max_new

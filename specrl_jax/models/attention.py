@@ -23,26 +23,26 @@ Array = jax.Array
 MASK_VALUE = -1e30
 
 
-def grouped_attention(q_BxTxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array,
-                      mask_BxTxS: Array) -> Array:
+def grouped_attention(q_BxTxHxD: Array, k_BxLxKxD: Array, v_BxLxKxD: Array,
+                      mask_BxTxL: Array) -> Array:
   """Softmax attention with grouped-query heads; returns [B, T, H, D] in q's dtype.
 
-  ``mask_BxTxS`` is True where query t may attend to key s. Scores and softmax are
+  ``mask_BxTxL`` is True where query t may attend to key s. Scores and softmax are
   computed in float32 whatever the compute dtype.
   """
   batch, q_len, num_heads, head_dim = q_BxTxHxD.shape
-  num_kv_heads = k_BxSxKxD.shape[2]
+  num_kv_heads = k_BxLxKxD.shape[2]
   groups = num_heads // num_kv_heads
   q_BxTxKxGxD = q_BxTxHxD.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-  scores_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
+  scores_BxKxGxTxL = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxLxKxD,
                                 preferred_element_type=jnp.float32)
-  scores_BxKxGxTxS = scores_BxKxGxTxS * (head_dim ** -0.5)
-  scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, MASK_VALUE)
-  probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
-  sees_anything_BxT = jnp.any(mask_BxTxS, axis=-1)
-  probs_BxKxGxTxS = jnp.where(sees_anything_BxT[:, None, None, :, None], probs_BxKxGxTxS, 0.0)
-  out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs_BxKxGxTxS.astype(v_BxSxKxD.dtype),
-                             v_BxSxKxD, preferred_element_type=jnp.float32)
+  scores_BxKxGxTxL = scores_BxKxGxTxL * (head_dim ** -0.5)
+  scores_BxKxGxTxL = jnp.where(mask_BxTxL[:, None, None], scores_BxKxGxTxL, MASK_VALUE)
+  probs_BxKxGxTxL = jax.nn.softmax(scores_BxKxGxTxL, axis=-1)
+  sees_anything_BxT = jnp.any(mask_BxTxL, axis=-1)
+  probs_BxKxGxTxL = jnp.where(sees_anything_BxT[:, None, None, :, None], probs_BxKxGxTxL, 0.0)
+  out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs_BxKxGxTxL.astype(v_BxLxKxD.dtype),
+                             v_BxLxKxD, preferred_element_type=jnp.float32)
   return out_BxTxKxGxD.reshape(batch, q_len, num_heads, head_dim).astype(q_BxTxHxD.dtype)
 
 

@@ -27,8 +27,8 @@ def group_advantages(rewards_B: Array, group_size: int, *, normalize_std: bool =
   check(batch % group_size == 0, "group_advantages", "group_size", group_size,
         f"a divisor of the batch size {batch} (samples come in whole groups)")
   check(eps >= 0, "group_advantages", "eps", eps, ">= 0")
-  rewards_GxN = rewards_B.reshape(batch // group_size, group_size)
-  centered_GxN = rewards_GxN - rewards_GxN.mean(axis=1, keepdims=True)
+  rewards_PxG = rewards_B.reshape(batch // group_size, group_size)
+  centered_PxG = rewards_PxG - rewards_PxG.mean(axis=1, keepdims=True)
   if normalize_std:
-    centered_GxN = centered_GxN / (rewards_GxN.std(axis=1, keepdims=True) + eps)
-  return centered_GxN.reshape(batch)
+    centered_PxG = centered_PxG / (rewards_PxG.std(axis=1, keepdims=True) + eps)
+  return centered_PxG.reshape(batch)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from specrl_jax.config import SamplingParams, SpecConfig, check
+from specrl_jax.config import SamplingParams, SpecConfig, check, check_positive_int
 from specrl_jax.models import tokenizer
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
@@ -71,9 +71,7 @@ class RolloutConfig:
   def __post_init__(self):
     owner = "RolloutConfig"
     for name in ("group_size", "prompts_per_step"):
-      value = getattr(self, name)
-      check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner,
-            name, value, "a positive integer")
+      check_positive_int(owner, name, getattr(self, name))
     check(self.group_size > 1, owner, "group_size", self.group_size,
           "at least 2 (advantages compare a sample with its group)")
     check_warp(self.sampling, owner)

@@ -140,43 +140,43 @@ class DecodeState:
     return (self.slot_request_N >= 0) & ~self.finished_N
 
 
-def emit(state: DecodeState, tokens_NxK: Array, log_probs_NxK: Array, counts_N: Array,
+def emit(state: DecodeState, tokens_NxE: Array, log_probs_NxE: Array, counts_N: Array,
          sampling: SamplingParams) -> tuple[DecodeState, Array]:
   """Appends up to counts_N[n] tokens to each slot's response.
 
   A stop token ends the response after itself; max_new_tokens truncates the run.
   Returns (state, emitted counts). Tokens past a stop or the budget are dropped.
   """
-  num_candidates = tokens_NxK.shape[1]
+  num_candidates = tokens_NxE.shape[1]
   max_new = state.out_tokens_RxL.shape[1]
-  index_K = jnp.arange(num_candidates)
-  valid_NxK = index_K[None, :] < counts_N[:, None]
+  index_E = jnp.arange(num_candidates)
+  valid_NxE = index_E[None, :] < counts_N[:, None]
   stops = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
-  is_stop_NxK = jnp.isin(tokens_NxK, stops) & valid_NxK
-  any_stop_N = jnp.any(is_stop_NxK, axis=1)
-  through_stop_N = jnp.where(any_stop_N, jnp.argmax(is_stop_NxK, axis=1) + 1, counts_N)
+  is_stop_NxE = jnp.isin(tokens_NxE, stops) & valid_NxE
+  any_stop_N = jnp.any(is_stop_NxE, axis=1)
+  through_stop_N = jnp.where(any_stop_N, jnp.argmax(is_stop_NxE, axis=1) + 1, counts_N)
   budget_N = max_new - state.generated_N
   emitted_N = jnp.clip(jnp.minimum(through_stop_N, budget_N), 0, None)
   emitted_N = jnp.where(state.slot_request_N >= 0, emitted_N, 0)
 
-  write_NxK = index_K[None, :] < emitted_N[:, None]
-  rows = jnp.where(write_NxK, state.slot_request_N[:, None], state.out_tokens_RxL.shape[0])
-  cols = state.generated_N[:, None] + index_K[None, :]
-  out_tokens = state.out_tokens_RxL.at[rows, cols].set(tokens_NxK, mode="drop")
-  out_log_probs = state.out_log_probs_RxL.at[rows, cols].set(log_probs_NxK, mode="drop")
+  write_NxE = index_E[None, :] < emitted_N[:, None]
+  rows = jnp.where(write_NxE, state.slot_request_N[:, None], state.out_tokens_RxL.shape[0])
+  cols = state.generated_N[:, None] + index_E[None, :]
+  out_tokens = state.out_tokens_RxL.at[rows, cols].set(tokens_NxE, mode="drop")
+  out_log_probs = state.out_log_probs_RxL.at[rows, cols].set(log_probs_NxE, mode="drop")
   generated_N = state.generated_N + emitted_N
   out_lengths = state.out_lengths_R.at[
       jnp.where(emitted_N > 0, state.slot_request_N, state.out_lengths_R.shape[0])].set(
           generated_N, mode="drop")
-  history_cols = jnp.where(write_NxK, state.prompt_lengths_N[:, None] + cols,
+  history_cols = jnp.where(write_NxE, state.prompt_lengths_N[:, None] + cols,
                            state.history_NxC.shape[1])
   history = state.history_NxC.at[jnp.arange(state.num_slots)[:, None], history_cols].set(
-      tokens_NxK, mode="drop")
+      tokens_NxE, mode="drop")
   stopped_N = any_stop_N & (through_stop_N <= emitted_N)
   finished_N = state.finished_N | ((emitted_N > 0) & (stopped_N | (generated_N >= max_new)))
   last_index_N = jnp.maximum(emitted_N - 1, 0)
   last_token_N = jnp.where(emitted_N > 0,
-                           jnp.take_along_axis(tokens_NxK, last_index_N[:, None], 1)[:, 0],
+                           jnp.take_along_axis(tokens_NxE, last_index_N[:, None], 1)[:, 0],
                            state.last_token_N)
   state = state.replace(out_tokens_RxL=out_tokens, out_log_probs_RxL=out_log_probs,
                         out_lengths_R=out_lengths, generated_N=generated_N,

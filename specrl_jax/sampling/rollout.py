@@ -165,8 +165,8 @@ def _tail(state: DecodeState, num_requests: int) -> tuple[jax.Array, jax.Array]:
   return remaining_N, waiting > jnp.sum(free_N)
 
 
-def _sharded_rollout(graphdef, params, hook_params, rng, tokens_SxUxT, lengths_SxU,
-                     prompt_of_request_SxR, last_request_SxU, *, mesh: Mesh, **static
+def _sharded_rollout(graphdef, params, hook_params, rng, tokens_QxUxT, lengths_QxU,
+                     prompt_of_request_QxR, last_request_QxU, *, mesh: Mesh, **static
                      ) -> DecodeState:
   """``rollout`` on every batch shard of ``mesh`` (its own rng stream), the final
   states stacked on a leading shard axis, without pages and token history."""
@@ -175,8 +175,8 @@ def _sharded_rollout(graphdef, params, hook_params, rng, tokens_SxUxT, lengths_S
     final = rollout(graphdef, params, hook_params, *inputs, rng, **static)
     return final.replace(kv=None, history_NxC=None)
   return sharded.per_shard(one_shard, mesh, num_replicated=3)(
-      params, hook_params, rng, tokens_SxUxT, lengths_SxU, prompt_of_request_SxR,
-      last_request_SxU)
+      params, hook_params, rng, tokens_QxUxT, lengths_QxU, prompt_of_request_QxR,
+      last_request_QxU)
 
 
 _generate_sharded = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))

@@ -71,14 +71,14 @@ class RequestBlocks:
     return cls(blocks=tuple(blocks), real=tuple(real))
 
   def gather_rows(self, stacked_SxRx: np.ndarray) -> np.ndarray:
-    """The real requests' rows of a per-shard [S, R_s, ...] array, in request order."""
+    """The real requests' rows of a per-shard [Q, R_s, ...] array, in request order."""
     return np.concatenate([rows[:count] for rows, count in zip(stacked_SxRx, self.real)])
 
 
 def pack_blocks(blocks: RequestBlocks, group_prompts, pack_prompts, width: int
                 ) -> tuple[tuple[np.ndarray, ...], int]:
   """Per-shard engine inputs stacked on a leading shard axis, all shards one shape:
-  (tokens_SxUxT, lengths_SxU, prompt_of_request_SxR, last_request_SxU) and the most
+  (tokens_QxUxT, lengths_QxU, prompt_of_request_QxR, last_request_QxU) and the most
   distinct prompts any shard has. A shard with fewer distinct prompts is padded with
   one-token prompts that no request samples (their pages are held to the end)."""
   grouped = [group_prompts([list(p) for p in block]) for block in blocks.blocks]

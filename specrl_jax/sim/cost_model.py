@@ -24,11 +24,13 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_non_negative_int, check_positive_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.model_spec import ModelSpec
-from specrl_jax.sim.roofline import EngineProfile, ForwardCostModel, expected_tokens_per_round
+from specrl_jax.sim.roofline import EngineProfile, ForwardCostModel
+from specrl_jax.speculative.expected import (check_acceptance, expected_rounds_to_finish,
+                                             expected_tokens_per_round)
 
 _BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0}
 
@@ -118,7 +120,7 @@ class MeasuredCallCost:
     check(all(b > a for a, b in zip(self.tokens, self.tokens[1:])), owner, "tokens",
           self.tokens, "strictly increasing token counts")
     for i, (count, seconds) in enumerate(zip(self.tokens, self.seconds_at)):
-      validation.positive_int(owner, f"tokens[{i}]", count)
+      check_positive_int(owner, f"tokens[{i}]", count)
       validation.positive_number(owner, f"seconds_at[{i}]", seconds)
     validation.non_negative_number(owner, "overhead_s", self.overhead_s)
     validation.non_negative_number(owner, "per_sequence_s", self.per_sequence_s)
@@ -163,10 +165,10 @@ class RooflineCallCost:
   def __post_init__(self):
     owner = "RooflineCallCost"
     validation.one_of(owner, "precision", self.precision, ("fp32", "bf16", "fp8"))
-    validation.non_negative_int(owner, "context_tokens", self.context_tokens)
+    check_non_negative_int(owner, "context_tokens", self.context_tokens)
     validation.non_negative_number(owner, "overhead_s", self.overhead_s)
     validation.positive_number(owner, "scale", self.scale)
-    validation.positive_int(owner, "tp", self.tp)
+    check_positive_int(owner, "tp", self.tp)
 
   def roofline_seconds(self, batch_size: int, query_tokens: int = 1) -> float:
     """The bare roofline at peak rates, no overheads."""
@@ -196,15 +198,6 @@ class RooflineCallCost:
     check(scale > 0, "RooflineCallCost.fit", "points", points,
           "measurements whose time grows with the roofline (fitted scale was 0)")
     return dataclasses.replace(bare, overhead_s=float(overhead), scale=float(scale))
-
-
-def _check_acceptance(per_position_acceptance: Sequence[float]) -> tuple[float, ...]:
-  rates = tuple(float(a) for a in per_position_acceptance)
-  check(len(rates) > 0, "SpeculationCostModel", "per_position_acceptance", rates,
-        "a non-empty sequence of conditional acceptance rates in [0, 1]")
-  for i, rate in enumerate(rates):
-    validation.unit_interval("SpeculationCostModel", f"per_position_acceptance[{i}]", rate)
-  return rates
 
 
 def conditional_acceptance(unconditional: Sequence[float]) -> tuple[float, ...]:
@@ -253,8 +246,8 @@ class SpeculationCostModel:
                round_overhead_s=round_overhead_s)
 
   def round_seconds(self, batch_size: int, k: int) -> float:
-    validation.positive_int("SpeculationCostModel", "batch_size", batch_size)
-    validation.non_negative_int("SpeculationCostModel", "k", k)
+    check_positive_int("SpeculationCostModel", "batch_size", batch_size)
+    check_non_negative_int("SpeculationCostModel", "k", k)
     if k == 0:
       return self.target.seconds(batch_size, 1)
     return (k * self.drafter.seconds(batch_size, 1) + self.target.seconds(batch_size, k + 1)
@@ -263,10 +256,10 @@ class SpeculationCostModel:
   def expected_tokens_per_round(self, k: int, per_position_acceptance: Sequence[float]
                                 ) -> float:
     """Per sequence; positions beyond the measured ones repeat the last rate."""
-    validation.non_negative_int("SpeculationCostModel", "k", k)
+    check_non_negative_int("SpeculationCostModel", "k", k)
     if k == 0:
       return 1.0
-    return expected_tokens_per_round(_check_acceptance(per_position_acceptance), k)
+    return expected_tokens_per_round(check_acceptance(per_position_acceptance), k)
 
   def expected_tokens_per_second(self, batch_size: int, k: int,
                                  per_position_acceptance: Sequence[float]) -> float:
@@ -295,10 +288,10 @@ class SpeculationCostModel:
     """The draft length with the highest expected tokens/s; 0 (plain decoding) unless
     some k beats plain by a factor of at least ``min_gain`` (> 1 adds hysteresis
     against measurement noise)."""
-    validation.non_negative_int("SpeculationCostModel", "k_max", k_max)
+    check_non_negative_int("SpeculationCostModel", "k_max", k_max)
     check(isinstance(min_gain, (int, float)) and min_gain >= 1.0, "SpeculationCostModel",
           "min_gain", min_gain, "a number >= 1")
-    rates = _check_acceptance(per_position_acceptance)
+    rates = check_acceptance(per_position_acceptance)
     plain = self.expected_tokens_per_second(batch_size, 0, rates)
     best, best_rate = 0, plain
     for k in range(1, k_max + 1):
@@ -313,44 +306,6 @@ def expected_batch_rounds(batch_size: int, k: int, per_position_acceptance: Sequ
   """Expected number of rounds until all ``batch_size`` sequences have ``new_tokens``
   tokens, each round emitting 1 + (accepted drafts of ``k``) per sequence, drafts
   accepted in order with the conditional rates given (the last one repeats)."""
-  validation.positive_int("expected_batch_rounds", "batch_size", batch_size)
-  validation.positive_int("expected_batch_rounds", "new_tokens", new_tokens)
+  check_positive_int("expected_batch_rounds", "batch_size", batch_size)
+  check_positive_int("expected_batch_rounds", "new_tokens", new_tokens)
   return expected_rounds_to_finish([new_tokens] * batch_size, k, per_position_acceptance)
-
-
-def expected_rounds_to_finish(remaining_tokens: Sequence[int], k: int,
-                              per_position_acceptance: Sequence[float]) -> float:
-  """Expected rounds until every sequence has emitted its ``remaining_tokens`` (the
-  batch waits for its unluckiest sequence), computed exactly: the distribution of one
-  sequence's emitted count after n rounds is the n-fold convolution of the per-round
-  count (1 + accepted drafts), and the batch is done by round n with probability
-  prod_s P(sequence s is done by round n)."""
-  validation.non_negative_int("expected_rounds_to_finish", "k", k)
-  remaining = np.asarray(remaining_tokens, np.int64)
-  check(remaining.ndim == 1 and np.all(remaining >= 0), "expected_rounds_to_finish",
-        "remaining_tokens", remaining_tokens, "a sequence of integers >= 0")
-  remaining = remaining[remaining > 0]
-  if remaining.size == 0:
-    return 0.0
-  if k == 0:
-    return float(remaining.max())
-  rates = _check_acceptance(per_position_acceptance)
-  rates = np.array([rates[min(i, len(rates) - 1)] for i in range(k)])
-  reach = np.concatenate([[1.0], np.cumprod(rates)])  # P(at least j drafts accepted)
-  # per_round[t] = P(a round emits t tokens): 0 for t = 0, then 1 + j for j accepted.
-  per_round = np.concatenate([[0.0], reach[:-1] - reach[1:], [reach[-1]]])
-  longest = int(remaining.max())
-  # emitted[t] = P(t tokens emitted so far), counts >= longest pooled in the last bin.
-  emitted = np.zeros(longest + 1)
-  emitted[0] = 1.0
-  expected = 0.0
-  for _ in range(longest):  # at least one token per round: done within `longest` rounds
-    step = np.convolve(emitted, per_round)
-    emitted = step[:longest + 1]
-    emitted[-1] += step[longest + 1:].sum()
-    done_by = np.cumsum(emitted[::-1])[::-1]  # done_by[t] = P(emitted >= t)
-    batch_done = float(np.prod(done_by[remaining]))
-    expected += 1.0 - batch_done
-    if batch_done > 1 - 1e-12:
-      break
-  return expected + 1.0  # the first round always runs; the sum counts the rounds after it

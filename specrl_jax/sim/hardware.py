@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from specrl_jax.config import ConfigError, check
+from specrl_jax.config import ConfigError, check, check_positive_int
 from specrl_jax.sim import validation
 
 GB = 1e9
@@ -50,7 +50,7 @@ class HardwareProfile:
     for field in ("peak_flops_bf16", "peak_flops_fp8", "hbm_bandwidth", "hbm_capacity",
                   "interconnect_bandwidth", "scale_out_bandwidth"):
       validation.positive_number(owner, field, getattr(self, field))
-    validation.positive_int(owner, "scale_up_domain", self.scale_up_domain)
+    check_positive_int(owner, "scale_up_domain", self.scale_up_domain)
     validation.non_negative_number(owner, "collective_latency_s", self.collective_latency_s)
     if self.peak_flops_fp32 is not None:
       validation.positive_number(owner, "peak_flops_fp32", self.peak_flops_fp32)
@@ -162,8 +162,8 @@ def measure_cpu(*, matmul_size: int = 1024, stream_megabytes: int = 256,
   import jax.numpy as jnp
   import numpy as np
 
-  validation.positive_int("measure_cpu", "matmul_size", matmul_size)
-  validation.positive_int("measure_cpu", "stream_megabytes", stream_megabytes)
+  check_positive_int("measure_cpu", "matmul_size", matmul_size)
+  check_positive_int("measure_cpu", "stream_megabytes", stream_megabytes)
   n = matmul_size
   a_NxN = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
   matmul = jax.jit(lambda x: x @ x)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specrl_jax.config import check
-from specrl_jax.sim import validation
+from specrl_jax.config import check, check_positive_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,7 +25,7 @@ class ParallelLayout:
   def __post_init__(self):
     owner = "ParallelLayout"
     for field in ("total_gpus", "rollout_gpus", "training_gpus", "rollout_tp", "rollout_ep"):
-      validation.positive_int(owner, field, getattr(self, field))
+      check_positive_int(owner, field, getattr(self, field))
     check(isinstance(self.colocated, bool), owner, "colocated", self.colocated, "a bool")
     check(self.rollout_gpus <= self.total_gpus, owner, "rollout_gpus", self.rollout_gpus,
           f"<= total_gpus={self.total_gpus} (more GPUs for rollout than exist)")

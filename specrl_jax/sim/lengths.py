@@ -14,7 +14,7 @@ import statistics
 
 import numpy as np
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 from specrl_jax.sim import validation
 
 
@@ -29,14 +29,14 @@ class FixedLengths:
   length: int
 
   def __post_init__(self):
-    validation.positive_int("FixedLengths", "length", self.length)
+    check_positive_int("FixedLengths", "length", self.length)
 
   @property
   def max_length(self) -> int:
     return self.length
 
   def sample(self, n: int) -> np.ndarray:
-    validation.positive_int("FixedLengths.sample", "n", n)
+    check_positive_int("FixedLengths.sample", "n", n)
     return np.full((n,), self.length, np.int64)
 
   def mean(self) -> float:
@@ -58,13 +58,13 @@ class LogNormalLengths:
     owner = "LogNormalLengths"
     validation.positive_number(owner, "median", self.median)
     validation.positive_number(owner, "sigma", self.sigma)
-    validation.positive_int(owner, "max_length", self.max_length)
-    validation.positive_int(owner, "min_length", self.min_length)
+    check_positive_int(owner, "max_length", self.max_length)
+    check_positive_int(owner, "min_length", self.min_length)
     check(self.min_length <= self.max_length, owner, "min_length", self.min_length,
           f"<= max_length={self.max_length}")
 
   def sample(self, n: int) -> np.ndarray:
-    validation.positive_int("LogNormalLengths.sample", "n", n)
+    check_positive_int("LogNormalLengths.sample", "n", n)
     normal = statistics.NormalDist()
     z = np.array([normal.inv_cdf(p) for p in _stratified_probabilities(n)])
     lengths = np.exp(math.log(self.median) + self.sigma * z)
@@ -114,7 +114,7 @@ class HistogramLengths:
     return int(math.floor(self.bin_edges[-1]))
 
   def sample(self, n: int) -> np.ndarray:
-    validation.positive_int("HistogramLengths.sample", "n", n)
+    check_positive_int("HistogramLengths.sample", "n", n)
     cdf = np.concatenate([[0.0], np.cumsum(self.counts)]) / sum(self.counts)
     lengths = np.interp(_stratified_probabilities(n), cdf, np.asarray(self.bin_edges))
     return np.clip(np.floor(lengths), 1, self.max_length).astype(np.int64)

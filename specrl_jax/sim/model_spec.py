@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specrl_jax.config import ModelConfig, check
+from specrl_jax.config import ModelConfig, check, check_non_negative_int, check_positive_int
 from specrl_jax.sim import validation
 
 
@@ -37,18 +37,18 @@ class ModelSpec:
     owner = f"ModelSpec({self.name!r})"
     for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                   "vocab_size", "attention_input_multiple"):
-      validation.positive_int(owner, field, getattr(self, field))
+      check_positive_int(owner, field, getattr(self, field))
     for field in ("intermediate_size", "num_experts", "experts_per_token",
                   "expert_intermediate_size"):
-      validation.non_negative_int(owner, field, getattr(self, field))
+      check_non_negative_int(owner, field, getattr(self, field))
     check(self.num_heads % self.num_kv_heads == 0, owner, "num_kv_heads",
           self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
     if self.is_moe:
       check(0 < self.experts_per_token <= self.num_experts, owner, "experts_per_token",
             self.experts_per_token, f"in [1, num_experts={self.num_experts}]")
-      validation.positive_int(owner, "expert_intermediate_size", self.expert_intermediate_size)
+      check_positive_int(owner, "expert_intermediate_size", self.expert_intermediate_size)
     else:
-      validation.positive_int(owner, "intermediate_size", self.intermediate_size)
+      check_positive_int(owner, "intermediate_size", self.intermediate_size)
 
   @property
   def is_moe(self) -> bool:
@@ -181,7 +181,7 @@ class DrafterSpec:
     validation.one_of(owner, "kind", self.kind, DRAFTER_KINDS)
     check((self.step_network is None) == (self.kind == "ngram"), owner, "step_network",
           self.step_network, "None exactly when kind='ngram'")
-    validation.non_negative_int(owner, "round_matmul_params", self.round_matmul_params)
+    check_non_negative_int(owner, "round_matmul_params", self.round_matmul_params)
     validation.non_negative_number(owner, "host_seconds_per_round", self.host_seconds_per_round)
 
   @property

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.step import Comparison, SimulationSetup, simulate_step
 
@@ -87,7 +87,7 @@ def speedup_grid(setup: SimulationSetup, draft_lengths: Sequence[int],
         "draft_lengths", (tuple(draft_lengths), tuple(acceptance_rates)),
         "non-empty draft lengths and acceptance rates")
   for k in draft_lengths:
-    validation.positive_int("speedup_grid", "draft_lengths[]", k)
+    check_positive_int("speedup_grid", "draft_lengths[]", k)
   for rate in acceptance_rates:
     validation.unit_interval("speedup_grid", "acceptance_rates[]", rate)
   plain = simulate_step(setup, None)

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from specrl_jax.config import ConfigError, check
+from specrl_jax.config import ConfigError, check, check_positive_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.layout import ParallelLayout
@@ -37,8 +37,8 @@ class RolloutWorkload:
 
   def __post_init__(self):
     owner = "RolloutWorkload"
-    validation.positive_int(owner, "num_sequences", self.num_sequences)
-    validation.positive_int(owner, "prompt_length", self.prompt_length)
+    check_positive_int(owner, "num_sequences", self.num_sequences)
+    check_positive_int(owner, "prompt_length", self.prompt_length)
     check(hasattr(self.lengths, "sample") and hasattr(self.lengths, "max_length"), owner,
           "lengths", self.lengths, "a FixedLengths, LogNormalLengths or HistogramLengths")
     validation.one_of(owner, "batching", self.batching, ("continuous", "static"))
@@ -103,7 +103,7 @@ def simulate_rollout(*, target: ModelSpec, hardware: HardwareProfile,
   engines (async RL with policy lag lets the next batch start while the last one's
   stragglers finish) and reports the time per batch.
   """
-  validation.positive_int("simulate_rollout", "batches_in_flight", batches_in_flight)
+  check_positive_int("simulate_rollout", "batches_in_flight", batches_in_flight)
   check(workload.num_sequences * batches_in_flight >= layout.rollout_instances,
         "RolloutWorkload", "num_sequences", workload.num_sequences,
         f">= rollout instances ({layout.rollout_instances}) so every instance has work")

@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.model_spec import DrafterSpec, ModelSpec
+from specrl_jax.speculative.expected import expected_tokens_per_round
 
 _BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0}
 # Bytes touched per logit by the sampler: write fp32 logits, read them for the softmax
@@ -68,7 +69,7 @@ class EngineProfile:
     validation.non_negative_number(owner, "draft_step_overhead_s", self.draft_step_overhead_s)
     validation.non_negative_number(owner, "layer_overhead_s", self.layer_overhead_s)
     validation.unit_interval(owner, "memory_utilization", self.memory_utilization, open_low=True)
-    validation.positive_int(owner, "max_num_seqs", self.max_num_seqs)
+    check_positive_int(owner, "max_num_seqs", self.max_num_seqs)
 
   @property
   def bytes_per_param(self) -> float:
@@ -78,7 +79,7 @@ class EngineProfile:
 def acceptance_from_length(acceptance_length: float, depth: int) -> tuple[float, ...]:
   """The i.i.d. per-position acceptance rate a with (1 - a^(k+1)) / (1 - a) equal to
   the reported acceptance length (tokens per target forward), for k = depth."""
-  validation.positive_int("acceptance_from_length", "depth", depth)
+  check_positive_int("acceptance_from_length", "depth", depth)
   check(isinstance(acceptance_length, (int, float)) and 1 <= acceptance_length <= depth + 1,
         "acceptance_from_length", "acceptance_length", acceptance_length,
         f"a number in [1, depth + 1 = {depth + 1}]")
@@ -90,16 +91,6 @@ def acceptance_from_length(acceptance_length: float, depth: int) -> tuple[float,
     else:
       high = mid
   return ((low + high) / 2,) * depth
-
-
-def expected_tokens_per_round(acceptance: tuple[float, ...], depth: int) -> float:
-  """1 + sum over positions i <= depth of P(first i drafts all accepted), with
-  ``acceptance[i]`` the conditional rate at position i (the last rate repeats)."""
-  total, alive = 1.0, 1.0
-  for i in range(depth):
-    alive *= acceptance[min(i, len(acceptance) - 1)]
-    total += alive
-  return total
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,7 +113,7 @@ class SpeculationSpec:
     owner = "SpeculationSpec"
     check(isinstance(self.drafter, DrafterSpec), owner, "drafter", self.drafter,
           "a DrafterSpec")
-    validation.positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
+    check_positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
     check(isinstance(self.acceptance, tuple) and len(self.acceptance) > 0, owner,
           "acceptance", self.acceptance, "a non-empty tuple of rates in [0, 1]")
     for i, rate in enumerate(self.acceptance):
@@ -221,7 +212,7 @@ class ForwardCostModel:
   ep: int = 1
 
   def __post_init__(self):
-    validation.positive_int("ForwardCostModel", "tp", self.tp)
+    check_positive_int("ForwardCostModel", "tp", self.tp)
     check(self.ep in (1, self.tp), "ForwardCostModel", "ep", self.ep, f"1 or tp={self.tp}")
 
   def _collectives(self, network: ModelSpec, tokens: float) -> float:

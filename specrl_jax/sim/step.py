@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_non_negative_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.layout import ParallelLayout
@@ -50,7 +50,7 @@ class StepSpec:
   def __post_init__(self):
     owner = "StepSpec"
     validation.one_of(owner, "mode", self.mode, ("sync", "async"))
-    validation.non_negative_int(owner, "policy_lag", self.policy_lag)
+    check_non_negative_int(owner, "policy_lag", self.policy_lag)
     if self.mode == "sync":
       check(self.policy_lag == 0, owner, "policy_lag", self.policy_lag,
             "0 in sync mode (use mode='async' for a lag)")

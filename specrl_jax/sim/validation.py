@@ -7,25 +7,11 @@ names the owner, the field, the bad value and the allowed range.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from specrl_jax.config import check
+from specrl_jax.config import check, is_finite_number
 
-
-def _is_number(value: Any) -> bool:
-  return (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value))
-
-
-def positive_int(owner: str, field: str, value: Any) -> None:
-  check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        owner, field, value, "a positive integer")
-
-
-def non_negative_int(owner: str, field: str, value: Any) -> None:
-  check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-        owner, field, value, "an integer >= 0")
+_is_number = is_finite_number
 
 
 def positive_number(owner: str, field: str, value: Any) -> None:

@@ -30,7 +30,7 @@ While the same length keeps winning, its batches grow (``decision_rounds``), whi
 that cost less often. Without a queue of waiting requests, the batch ends when its
 slowest sequence does: the controller is then given each live sequence's remaining
 token budget and minimizes the expected time to finish them all
-(``sim.cost_model.expected_rounds_to_finish``), where a long draft's last rounds are
+(``speculative.expected.expected_rounds_to_finish``), where a long draft's last rounds are
 partly wasted.
 """
 
@@ -42,8 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from specrl_jax.config import check
-from specrl_jax.sim.cost_model import expected_rounds_to_finish
-from specrl_jax.sim.roofline import expected_tokens_per_round
+from specrl_jax.speculative.expected import expected_rounds_to_finish, expected_tokens_per_round
 
 
 @dataclasses.dataclass
@@ -66,8 +65,8 @@ class DraftLengthController:
   explore_every: int = 16
   smoothing: float = 0.5
   max_batch_growth: int = 8
-  accepted_D: np.ndarray = dataclasses.field(init=False)
-  reached_D: np.ndarray = dataclasses.field(init=False)
+  accepted_Z: np.ndarray = dataclasses.field(init=False)
+  reached_Z: np.ndarray = dataclasses.field(init=False)
   round_seconds: dict[int, float] = dataclasses.field(init=False, default_factory=dict)
   history: list[tuple[int, int]] = dataclasses.field(init=False, default_factory=list)
   # Per length: faded sums of timed seconds and of the rounds they covered.
@@ -96,15 +95,15 @@ class DraftLengthController:
           and self.max_batch_growth & (self.max_batch_growth - 1) == 0, owner,
           "max_batch_growth", self.max_batch_growth, "a power of two >= 1")
     self._probe_interval = self.explore_every
-    self.accepted_D = np.zeros(self.k_max)
-    self.reached_D = np.zeros(self.k_max)
+    self.accepted_Z = np.zeros(self.k_max)
+    self.reached_Z = np.zeros(self.k_max)
 
   def acceptance(self) -> np.ndarray:
     """Conditional acceptance per position (a Laplace estimate; positions never reached
     repeat the deepest measured one)."""
-    rates = (self.accepted_D + 1) / (self.reached_D + 2)
+    rates = (self.accepted_Z + 1) / (self.reached_Z + 2)
     for i in range(1, self.k_max):
-      if self.reached_D[i] == 0:
+      if self.reached_Z[i] == 0:
         rates[i] = rates[i - 1]
     return rates
 
@@ -219,10 +218,10 @@ class DraftLengthController:
       return base
     return base * min(2 ** self._streak, self.max_batch_growth)
 
-  def observe(self, k: int, rounds: int, seconds: float | None, accepted_D: np.ndarray,
+  def observe(self, k: int, rounds: int, seconds: float | None, accepted_Z: np.ndarray,
               drafted_slot_rounds: int) -> None:
     """After ``rounds`` rounds of length k took ``seconds`` (None: not a clean timing,
-    e.g. it included compiling): ``accepted_D`` counts the accepted drafts at each
+    e.g. it included compiling): ``accepted_Z`` counts the accepted drafts at each
     position (summed over slots) and ``drafted_slot_rounds`` the slot-rounds that
     drafted."""
     self.history.append((k, rounds))
@@ -238,12 +237,12 @@ class DraftLengthController:
       self.round_seconds[k] = self._timed_seconds[k] / self._timed_rounds[k]
     if k == 0 or drafted_slot_rounds <= 0:
       return
-    accepted = np.asarray(accepted_D[:k], np.float64)
+    accepted = np.asarray(accepted_Z[:k], np.float64)
     # Position 0 is reached by every drafting slot-round, position i by those that
     # accepted position i - 1.
     reached = np.concatenate([[drafted_slot_rounds], accepted[:-1]])
     # Older counts fade like the round times, so a drafter that improves (online
     # training) or a new phase of the rollout shows within a few decisions.
     keep = 1 - self.smoothing
-    self.accepted_D[:k] = keep * self.accepted_D[:k] + accepted
-    self.reached_D[:k] = keep * self.reached_D[:k] + reached
+    self.accepted_Z[:k] = keep * self.accepted_Z[:k] + accepted
+    self.reached_Z[:k] = keep * self.reached_Z[:k] + reached

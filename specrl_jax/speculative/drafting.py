@@ -16,10 +16,10 @@ Array = jax.Array
 
 @flax.struct.dataclass
 class DraftTree:
-  """tokens_NxK / valid_NxK: node i's token at index i - 1 (invalid: q gave it no mass).
+  """tokens_NxJ / valid_NxJ: node i's token at index i - 1 (invalid: q gave it no mass).
   log_q_NxIxV: the drafter's q at every internal node (ids 0..I-1)."""
-  tokens_NxK: Array
-  valid_NxK: Array
+  tokens_NxJ: Array
+  valid_NxJ: Array
   log_q_NxIxV: Array
 
 
@@ -50,8 +50,8 @@ def draft_tree(rng: Array, drafter: Drafter, params, state, kv, inputs: RoundInp
   level_log_q = log_q_NxV[:, None, :]
   if topology.depth == 0:
     num_slots = log_q_NxV.shape[0]
-    return DraftTree(tokens_NxK=jnp.zeros((num_slots, 0), jnp.int32),
-                     valid_NxK=jnp.zeros((num_slots, 0), bool),
+    return DraftTree(tokens_NxJ=jnp.zeros((num_slots, 0), jnp.int32),
+                     valid_NxJ=jnp.zeros((num_slots, 0), bool),
                      log_q_NxIxV=level_log_q), state, kv
   internal_log_q = [level_log_q]
   tokens, valid = [], []
@@ -66,12 +66,12 @@ def draft_tree(rng: Array, drafter: Drafter, params, state, kv, inputs: RoundInp
     nodes = np.arange(start, start + topology.level_sizes[depth])
     all_tokens = jnp.concatenate(tokens, axis=1)
     paths = topology.path_nodes[nodes][:, :depth + 1]
-    paths_NxWxD = all_tokens[:, paths - 1]
-    mask_WxE = topology.ancestor_mask[nodes][:, 1:start + len(nodes)]
+    paths_NxWxZ = all_tokens[:, paths - 1]
+    mask_WxJ = topology.ancestor_mask[nodes][:, 1:start + len(nodes)]
     level_log_q, scratch = drafter.extend(params, state, kv, scratch, inputs, sampling,
-                                          depth + 1, level_tokens, paths_NxWxD, mask_WxE)
+                                          depth + 1, level_tokens, paths_NxWxZ, mask_WxJ)
     internal_log_q.append(level_log_q)
-  tree = DraftTree(tokens_NxK=jnp.concatenate(tokens, axis=1),
-                   valid_NxK=jnp.concatenate(valid, axis=1),
+  tree = DraftTree(tokens_NxJ=jnp.concatenate(tokens, axis=1),
+                   valid_NxJ=jnp.concatenate(valid, axis=1),
                    log_q_NxIxV=jnp.concatenate(internal_log_q, axis=1))
   return tree, state, kv

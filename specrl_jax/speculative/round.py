@@ -37,18 +37,18 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
   kv = state.kv.replace(k_pages=drafter_kv.inner.k_pages, v_pages=drafter_kv.inner.v_pages)
 
   num_slots = state.num_slots
-  tokens_NxS = jnp.concatenate([state.last_token_N[:, None], tree.tokens_NxK], axis=1)
-  positions_NxS = cached_N[:, None] + jnp.asarray(topology.node_depth)[None, :]
+  tokens_NxY = jnp.concatenate([state.last_token_N[:, None], tree.tokens_NxJ], axis=1)
+  positions_NxY = cached_N[:, None] + jnp.asarray(topology.node_depth)[None, :]
   mask = jnp.asarray(topology.ancestor_mask)
   verify_kv = kv.replace(prefix_lengths_B=cached_N,
                          new_mask_BxTxT=jnp.broadcast_to(mask, (num_slots,) + mask.shape),
-                         write_positions_BxT=jnp.full(tokens_NxS.shape, -1, jnp.int32),
+                         write_positions_BxT=jnp.full(tokens_NxY.shape, -1, jnp.int32),
                          stash=True, new_k=(), new_v=())
-  out = model.forward(tokens_NxS, positions_BxT=positions_NxS, kv=verify_kv,
+  out = model.forward(tokens_NxY, positions_BxT=positions_NxY, kv=verify_kv,
                       hidden_layers=drafter.hidden_layers)
   target_log_probs = warped_log_probs(out.logits, sampling)
-  verdict = verify(verify_key, target_log_probs, tree.tokens_NxK,
-                   tree.valid_NxK & active_N[:, None], tree.log_q_NxIxV, topology, draft_mode)
+  verdict = verify(verify_key, target_log_probs, tree.tokens_NxJ,
+                   tree.valid_NxJ & active_N[:, None], tree.log_q_NxIxV, topology, draft_mode)
 
   # The root and the accepted path enter the cache at consecutive positions.
   committed = out.kv.commit(*verdict.accepted_positions(cached_N, active_N))
@@ -61,11 +61,11 @@ def speculative_round(model: Transformer, drafter: Drafter, drafter_params, stat
   counters["target_calls"] = counters["target_calls"] + 1
   if depth > 0:  # acceptance statistics describe rounds that drafted something
     counters["draft_rounds"] = counters["draft_rounds"] + jnp.sum(active_N, dtype=jnp.int32)
-  accepted_D = jnp.sum((verdict.path_NxD >= 0) & active_N[:, None], axis=0, dtype=jnp.int32)
+  accepted_Z = jnp.sum((verdict.path_NxZ >= 0) & active_N[:, None], axis=0, dtype=jnp.int32)
   # The counter is as long as the longest draft the engine may use.
   longest = counters["accepted_per_position"].shape[0]
   counters["accepted_per_position"] = counters["accepted_per_position"] + jnp.pad(
-      accepted_D, (0, longest - depth))
+      accepted_Z, (0, longest - depth))
   # Rounds of different lengths (adaptive) draft different positions.
   counters["drafted_per_position"] = counters["drafted_per_position"] + jnp.where(
       jnp.arange(longest) < depth, jnp.sum(active_N, dtype=jnp.int32), 0)

@@ -29,15 +29,15 @@ Array = jax.Array
 
 @flax.struct.dataclass
 class Verdict:
-  """Outcome of one verification round for N slots and a tree of depth D.
+  """Outcome of one verification round for N slots and a tree of depth Z.
 
-  path_NxD: accepted node id at each depth (-1 after the first rejection).
-  num_accepted_N: accepted draft tokens (0..D).
-  tokens_NxE, log_probs_NxE: the E = D + 1 emitted candidates (accepted drafts, then
+  path_NxZ: accepted node id at each depth (-1 after the first rejection).
+  num_accepted_N: accepted draft tokens (0..Z).
+  tokens_NxE, log_probs_NxE: the E = Z + 1 emitted candidates (accepted drafts, then
     the final token), with the target's warped log-prob of each; valid up to
     num_accepted_N + 1.
   """
-  path_NxD: Array
+  path_NxZ: Array
   num_accepted_N: Array
   tokens_NxE: Array
   log_probs_NxE: Array
@@ -48,10 +48,10 @@ class Verdict:
     (0 past the path), and the cache position it enters at. The root sits at
     cache_lengths_N[n] and the accepted nodes follow it; -1 past the path and for
     inactive slots, so nothing is written there."""
-    num_slots, depth = self.path_NxD.shape
+    num_slots, depth = self.path_NxZ.shape
     source_NxE = jnp.concatenate([jnp.zeros((num_slots, 1), jnp.int32),
-                                  jnp.maximum(self.path_NxD, 0)], axis=1)
-    keep_NxE = jnp.concatenate([active_N[:, None], (self.path_NxD >= 0) & active_N[:, None]],
+                                  jnp.maximum(self.path_NxZ, 0)], axis=1)
+    keep_NxE = jnp.concatenate([active_N[:, None], (self.path_NxZ >= 0) & active_N[:, None]],
                                axis=1)
     positions_NxE = jnp.where(keep_NxE,
                               cache_lengths_N[:, None] + jnp.arange(depth + 1)[None, :], -1)
@@ -67,22 +67,22 @@ def _normalise(weights_NxV: Array, fallback_NxV: Array) -> Array:
   return jnp.where(total > 0, weights_NxV / jnp.where(total > 0, total, 1.0), fallback_NxV)
 
 
-def verify(rng: Array, target_log_probs_NxSxV: Array, draft_tokens_NxK: Array,
-           draft_valid_NxK: Array, draft_log_probs_NxIxV: Array | None,
+def verify(rng: Array, target_log_probs_NxYxV: Array, draft_tokens_NxJ: Array,
+           draft_valid_NxJ: Array, draft_log_probs_NxIxV: Array | None,
            topology: TreeTopology, draft_mode: str) -> Verdict:
   """Accepts a prefix path of the draft tree so that emitted tokens follow the target.
 
-  target_log_probs_NxSxV: warped target log-probs at the root (index 0) and at every
-    draft node (index = node id), S = 1 + K.
-  draft_tokens_NxK / draft_valid_NxK: token of node i at index i - 1; invalid nodes are
+  target_log_probs_NxYxV: warped target log-probs at the root (index 0) and at every
+    draft node (index = node id), Y = 1 + J.
+  draft_tokens_NxJ / draft_valid_NxJ: token of node i at index i - 1; invalid nodes are
     never accepted (e.g. an n-gram drafter with fewer continuations than children).
   draft_log_probs_NxIxV: the drafter's log q at each internal node (ids 0..I-1); only
     read in "sample" mode.
   """
-  num_slots, _, vocab = target_log_probs_NxSxV.shape
+  num_slots, _, vocab = target_log_probs_NxYxV.shape
   first_child = jnp.asarray(topology.first_child)
   slot_N = jnp.arange(num_slots)
-  p_NxV = jnp.exp(target_log_probs_NxSxV[:, 0])
+  p_NxV = jnp.exp(target_log_probs_NxYxV[:, 0])
   node_N = jnp.zeros((num_slots,), jnp.int32)
   alive_N = jnp.ones((num_slots,), bool)
   path = []
@@ -97,7 +97,7 @@ def verify(rng: Array, target_log_probs_NxSxV: Array, draft_tokens_NxK: Array,
     chosen_N = jnp.full((num_slots,), -1, jnp.int32)
     for j in range(branching):
       child_N = first_N + j
-      token_N = draft_tokens_NxK[slot_N, child_N - 1]
+      token_N = draft_tokens_NxJ[slot_N, child_N - 1]
       one_hot_NxV = jax.nn.one_hot(token_N, vocab, dtype=bool)
       if draft_mode == "sample":
         q_child_NxV = _normalise(jnp.where(removed_NxV, 0.0, q_parent_NxV), q_parent_NxV)
@@ -106,7 +106,7 @@ def verify(rng: Array, target_log_probs_NxSxV: Array, draft_tokens_NxK: Array,
       else:
         q_child_NxV = one_hot_NxV.astype(jnp.float32)
         q_token_N = jnp.ones((num_slots,), jnp.float32)
-      trying_N = (alive_N & ~found_N & draft_valid_NxK[slot_N, child_N - 1]
+      trying_N = (alive_N & ~found_N & draft_valid_NxJ[slot_N, child_N - 1]
                   & (q_token_N > 0))
       uniform_N = jax.random.uniform(keys[depth * widest + j], (num_slots,))
       accept_N = trying_N & (uniform_N * q_token_N < _take(p_NxV, token_N))
@@ -117,25 +117,25 @@ def verify(rng: Array, target_log_probs_NxSxV: Array, draft_tokens_NxK: Array,
       chosen_N = jnp.where(accept_N, child_N, chosen_N)
     alive_N = alive_N & found_N
     node_N = jnp.where(alive_N, chosen_N, node_N)
-    p_NxV = jnp.where(alive_N[:, None], jnp.exp(target_log_probs_NxSxV[slot_N, node_N]), p_NxV)
+    p_NxV = jnp.where(alive_N[:, None], jnp.exp(target_log_probs_NxYxV[slot_N, node_N]), p_NxV)
     path.append(jnp.where(alive_N, chosen_N, -1))
 
-  path_NxD = (jnp.stack(path, axis=1) if path
+  path_NxZ = (jnp.stack(path, axis=1) if path
               else jnp.zeros((num_slots, 0), jnp.int32))  # depth 0: nothing drafted
-  num_accepted_N = jnp.sum(path_NxD >= 0, axis=1).astype(jnp.int32)
+  num_accepted_N = jnp.sum(path_NxZ >= 0, axis=1).astype(jnp.int32)
   final_N = sample_from_probs(keys[-1], p_NxV)
-  final_log_prob_N = target_log_probs_NxSxV[slot_N, node_N, final_N]
+  final_log_prob_N = target_log_probs_NxYxV[slot_N, node_N, final_N]
 
   parent = jnp.asarray(topology.parent)
-  safe_path_NxD = jnp.maximum(path_NxD, 1)
-  path_tokens_NxD = jnp.take_along_axis(draft_tokens_NxK, safe_path_NxD - 1, axis=1)
-  path_log_probs_NxD = target_log_probs_NxSxV[slot_N[:, None], parent[safe_path_NxD],
-                                              path_tokens_NxD]
+  safe_path_NxZ = jnp.maximum(path_NxZ, 1)
+  path_tokens_NxZ = jnp.take_along_axis(draft_tokens_NxJ, safe_path_NxZ - 1, axis=1)
+  path_log_probs_NxZ = target_log_probs_NxYxV[slot_N[:, None], parent[safe_path_NxZ],
+                                              path_tokens_NxZ]
   depth_E = jnp.arange(topology.depth + 1)
   is_final_NxE = depth_E[None, :] == num_accepted_N[:, None]
   pad = ((0, 0), (0, 1))
-  tokens_NxE = jnp.where(is_final_NxE, final_N[:, None], jnp.pad(path_tokens_NxD, pad))
+  tokens_NxE = jnp.where(is_final_NxE, final_N[:, None], jnp.pad(path_tokens_NxZ, pad))
   log_probs_NxE = jnp.where(is_final_NxE, final_log_prob_N[:, None],
-                            jnp.pad(path_log_probs_NxD, pad))
-  return Verdict(path_NxD=path_NxD, num_accepted_N=num_accepted_N, tokens_NxE=tokens_NxE,
+                            jnp.pad(path_log_probs_NxZ, pad))
+  return Verdict(path_NxZ=path_NxZ, num_accepted_N=num_accepted_N, tokens_NxE=tokens_NxE,
                  log_probs_NxE=log_probs_NxE)

@@ -38,17 +38,17 @@ def chi_square_threshold(df: int) -> float:
   return df + 10.0 * np.sqrt(2.0 * df)
 
 
-def _merge_small_bins(observed_K: np.ndarray, expected_K: np.ndarray
+def _merge_small_bins(observed_O: np.ndarray, expected_O: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray]:
   """All bins expected below MIN_EXPECTED_COUNT become one bin; if that bin is still
   below it, it joins the smallest remaining bin."""
-  small_K = expected_K < MIN_EXPECTED_COUNT
-  if not small_K.any():
-    return observed_K, expected_K
-  observed = observed_K[~small_K]
-  expected = expected_K[~small_K]
-  merged_observed = observed_K[small_K].sum()
-  merged_expected = expected_K[small_K].sum()
+  small_O = expected_O < MIN_EXPECTED_COUNT
+  if not small_O.any():
+    return observed_O, expected_O
+  observed = observed_O[~small_O]
+  expected = expected_O[~small_O]
+  merged_observed = observed_O[small_O].sum()
+  merged_expected = expected_O[small_O].sum()
   if merged_expected >= MIN_EXPECTED_COUNT or expected.size == 0:
     return np.append(observed, merged_observed), np.append(expected, merged_expected)
   smallest = int(np.argmin(expected))
@@ -64,18 +64,18 @@ def chi_square(observed_counts: Sequence[float], expected_probs: Sequence[float]
 
   Returns (statistic, degrees of freedom = bins after merging - 1).
   """
-  observed_K = np.asarray(observed_counts, np.float64).reshape(-1)
-  probs_K = np.asarray(expected_probs, np.float64).reshape(-1)
-  chex.assert_equal_shape([observed_K, probs_K])
+  observed_O = np.asarray(observed_counts, np.float64).reshape(-1)
+  probs_O = np.asarray(expected_probs, np.float64).reshape(-1)
+  chex.assert_equal_shape([observed_O, probs_O])
   if num_samples <= 0:
     raise ValueError(f"num_samples={num_samples} must be positive.")
-  if np.any(probs_K < 0) or abs(probs_K.sum() - 1.0) > _PROBABILITY_SUM_TOLERANCE:
+  if np.any(probs_O < 0) or abs(probs_O.sum() - 1.0) > _PROBABILITY_SUM_TOLERANCE:
     raise ValueError(f"expected_probs must be non-negative and sum to 1; they sum to "
-                     f"{probs_K.sum():.6g} (min {probs_K.min():.3g}).")
-  if observed_K.sum() != num_samples:
-    raise ValueError(f"observed_counts sum to {observed_K.sum():g}, not num_samples="
+                     f"{probs_O.sum():.6g} (min {probs_O.min():.3g}).")
+  if observed_O.sum() != num_samples:
+    raise ValueError(f"observed_counts sum to {observed_O.sum():g}, not num_samples="
                      f"{num_samples}.")
-  observed, expected = _merge_small_bins(observed_K, probs_K / probs_K.sum() * num_samples)
+  observed, expected = _merge_small_bins(observed_O, probs_O / probs_O.sum() * num_samples)
   statistic = float(np.sum((observed - expected) ** 2 / expected))
   return statistic, int(expected.size - 1)
 
@@ -89,36 +89,36 @@ def _describe(outcome: Hashable) -> str:
 def assert_distribution_matches(samples: Sequence[int], probs: Sequence[float], *,
                                 name: str = "",
                                 labels: Sequence[Hashable] | None = None) -> None:
-  """Asserts that integer ``samples`` in [0, K) were drawn from ``probs`` [K].
+  """Asserts that integer ``samples`` in [0, O) were drawn from ``probs`` [O].
 
   ``labels[i]`` names outcome i in the failure message (default: i).
   """
   samples_N = np.asarray(samples).reshape(-1)
-  probs_K = np.asarray(probs, np.float64).reshape(-1)
+  probs_O = np.asarray(probs, np.float64).reshape(-1)
   label = (lambda i: _describe(labels[i])) if labels is not None else str
   prefix = f"{name}: " if name else ""
   if samples_N.size == 0:
     raise ValueError(f"{prefix}no samples to test.")
-  outside = samples_N[(samples_N < 0) | (samples_N >= probs_K.size)]
+  outside = samples_N[(samples_N < 0) | (samples_N >= probs_O.size)]
   if outside.size:
     raise AssertionError(f"{prefix}sampled outcome {int(outside[0])} is outside the "
-                         f"{probs_K.size} outcomes [0, {probs_K.size}).")
-  counts_K = np.bincount(samples_N.astype(np.int64), minlength=probs_K.size)
-  impossible_K = (counts_K > 0) & (probs_K <= 0)
-  if impossible_K.any():
-    first = int(np.argmax(impossible_K))
+                         f"{probs_O.size} outcomes [0, {probs_O.size}).")
+  counts_O = np.bincount(samples_N.astype(np.int64), minlength=probs_O.size)
+  impossible_O = (counts_O > 0) & (probs_O <= 0)
+  if impossible_O.any():
+    first = int(np.argmax(impossible_O))
     raise AssertionError(
         f"{prefix}outcome {label(first)} has probability 0 but was sampled "
-        f"{counts_K[first]} of {samples_N.size} times ({int(impossible_K.sum())} "
+        f"{counts_O[first]} of {samples_N.size} times ({int(impossible_O.sum())} "
         "impossible outcomes sampled in all).")
-  statistic, df = chi_square(counts_K, probs_K, samples_N.size)
+  statistic, df = chi_square(counts_O, probs_O, samples_N.size)
   threshold = chi_square_threshold(df)
   if statistic > threshold:
-    expected_K = probs_K / probs_K.sum() * samples_N.size
-    contribution_K = (counts_K - expected_K) ** 2 / np.maximum(expected_K, 1e-300)
-    worst = np.argsort(-contribution_K)[:5]
-    rows = "\n".join(f"  outcome {label(int(i))}: observed {counts_K[i]}, expected "
-                     f"{expected_K[i]:.1f}" for i in worst)
+    expected_O = probs_O / probs_O.sum() * samples_N.size
+    contribution_O = (counts_O - expected_O) ** 2 / np.maximum(expected_O, 1e-300)
+    worst = np.argsort(-contribution_O)[:5]
+    rows = "\n".join(f"  outcome {label(int(i))}: observed {counts_O[i]}, expected "
+                     f"{expected_O[i]:.1f}" for i in worst)
     raise AssertionError(
         f"{prefix}samples do not follow the expected distribution: chi-square "
         f"{statistic:.1f} > {threshold:.1f} (df={df}, {samples_N.size} samples). "

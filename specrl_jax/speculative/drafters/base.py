@@ -102,8 +102,8 @@ class Drafter(abc.ABC):
 
   @abc.abstractmethod
   def extend(self, params, state, kv, scratch, inputs: RoundInputs,
-             sampling: SamplingParams, depth: int, tokens_NxW: Array, paths_NxWxD: Array,
-             mask_WxE) -> tuple[Array, Any]:
+             sampling: SamplingParams, depth: int, tokens_NxW: Array, paths_NxWxZ: Array,
+             mask_WxJ) -> tuple[Array, Any]:
     """log q [N, W, V] after each of the W nodes at ``depth`` (their tokens and the
     token paths from depth 1 down to them are given), and the updated scratch."""
 

@@ -28,14 +28,14 @@ Array = jax.Array
 
 def tokens_to_feed(inputs: RoundInputs, cached_N: Array, count_N: Array, width: int):
   """count_N[n] tokens of slot n's history from position cached_N[n] on, padded to
-  ``width``. Returns (tokens_NxP, positions_NxP, valid_NxP); invalid entries hold 0."""
-  index_P = jnp.arange(width, dtype=jnp.int32)
-  positions_NxP = cached_N[:, None] + index_P[None, :]
-  valid_NxP = index_P[None, :] < count_N[:, None]
+  ``width``. Returns (tokens_NxT, positions_NxT, valid_NxT); invalid entries hold 0."""
+  index_T = jnp.arange(width, dtype=jnp.int32)
+  positions_NxT = cached_N[:, None] + index_T[None, :]
+  valid_NxT = index_T[None, :] < count_N[:, None]
   context = inputs.history_NxC.shape[1]
-  tokens_NxP = jnp.take_along_axis(inputs.history_NxC,
-                                   jnp.clip(positions_NxP, 0, context - 1), axis=1)
-  return jnp.where(valid_NxP, tokens_NxP, 0), positions_NxP, valid_NxP
+  tokens_NxT = jnp.take_along_axis(inputs.history_NxC,
+                                   jnp.clip(positions_NxT, 0, context - 1), axis=1)
+  return jnp.where(valid_NxT, tokens_NxT, 0), positions_NxT, valid_NxT
 
 
 def unseen_tokens(inputs: RoundInputs, cached_N: Array) -> Array:
@@ -52,14 +52,14 @@ class LevelScratch:
   drafters that feed their own output to the children read (MTP, EAGLE-3)."""
   keys: tuple[Array, ...]
   values: tuple[Array, ...]
-  parents_NxPxD: Array
+  parents_NxIxD: Array
 
 
 class CachedDrafter(Drafter):
   """A drafter with its own KV layers (see the module docstring). Subclasses implement
-    decode_fed(params, tokens_NxP, positions_NxP, valid_NxP, kv) -> (outputs_NxPxD, kv)
+    decode_fed(params, tokens_NxT, positions_NxT, valid_NxT, kv) -> (outputs_NxTxD, kv)
     root_log_q(params, root_Nx1xD, sampling) -> log q [N, V]
-    decode_level(params, tokens_NxW, positions_NxW, parents_NxPxD, kv, sampling)
+    decode_level(params, tokens_NxW, positions_NxW, parents_NxIxD, kv, sampling)
       -> (log q [N, W, V], outputs_NxWxD, kv)
   and ``kv_layers`` and ``prefill``. ``kv`` is the drafter's ``LayerOffset`` view of the
   page pool, already set up for the call (what to write, what to attend to).
@@ -68,7 +68,7 @@ class CachedDrafter(Drafter):
   # Its cache is all it keeps between rounds, and the history holds every token.
   catches_up = True
 
-  def decode_fed(self, params, tokens_NxP: Array, positions_NxP: Array, valid_NxP: Array,
+  def decode_fed(self, params, tokens_NxT: Array, positions_NxT: Array, valid_NxT: Array,
                  kv: LayerOffset) -> tuple[Array, LayerOffset]:
     raise NotImplementedError
 
@@ -76,7 +76,7 @@ class CachedDrafter(Drafter):
     raise NotImplementedError
 
   def decode_level(self, params, tokens_NxW: Array, positions_NxW: Array,
-                   parents_NxPxD: Array, kv: LayerOffset, sampling
+                   parents_NxIxD: Array, kv: LayerOffset, sampling
                    ) -> tuple[Array, Array, LayerOffset]:
     raise NotImplementedError
 
@@ -93,24 +93,24 @@ class CachedDrafter(Drafter):
            count_N: Array, width: int) -> tuple[Array, LayerOffset]:
     """Writes the KV of count_N[n] history tokens from position cached_N[n] on (causal
     among themselves, after the cached prefix). Returns (outputs [N, width, D], kv)."""
-    tokens_NxP, positions_NxP, valid_NxP = tokens_to_feed(inputs, cached_N, count_N, width)
-    index_P = jnp.arange(width, dtype=jnp.int32)
-    causal_PxP = index_P[:, None] >= index_P[None, :]
+    tokens_NxT, positions_NxT, valid_NxT = tokens_to_feed(inputs, cached_N, count_N, width)
+    index_T = jnp.arange(width, dtype=jnp.int32)
+    causal_TxT = index_T[:, None] >= index_T[None, :]
     step_kv = kv.replace(inner=kv.inner.replace(
         prefix_lengths_B=cached_N,
-        new_mask_BxTxT=causal_PxP[None] & valid_NxP[:, None, :],
-        write_positions_BxT=jnp.where(valid_NxP, positions_NxP, -1)))
-    return self.decode_fed(params, tokens_NxP, positions_NxP, valid_NxP, step_kv)
+        new_mask_BxTxT=causal_TxT[None] & valid_NxT[:, None, :],
+        write_positions_BxT=jnp.where(valid_NxT, positions_NxT, -1)))
+    return self.decode_fed(params, tokens_NxT, positions_NxT, valid_NxT, step_kv)
 
   def start(self, params, state, kv: LayerOffset, inputs, sampling, max_pending):
     cached_N = state["cache_lengths_N"]
     pending_N = unseen_tokens(inputs, cached_N) + inputs.active_N  # and the last token
-    outputs_NxPxD, kv = self.feed(params, kv, inputs, cached_N, pending_N, max_pending)
-    root_Nx1xD = jnp.take_along_axis(outputs_NxPxD,
+    outputs_NxTxD, kv = self.feed(params, kv, inputs, cached_N, pending_N, max_pending)
+    root_Nx1xD = jnp.take_along_axis(outputs_NxTxD,
                                      jnp.maximum(pending_N - 1, 0)[:, None, None], axis=1)
     log_q_NxV = self.root_log_q(params, root_Nx1xD, sampling)
     state = {"cache_lengths_N": jnp.where(inputs.active_N, inputs.cache_lengths_N + 1, cached_N)}
-    return log_q_NxV, state, kv, LevelScratch(keys=(), values=(), parents_NxPxD=root_Nx1xD)
+    return log_q_NxV, state, kv, LevelScratch(keys=(), values=(), parents_NxIxD=root_Nx1xD)
 
   def catch_up(self, params, state, kv: LayerOffset, inputs, max_tokens):
     cached_N = state["cache_lengths_N"]
@@ -119,7 +119,7 @@ class CachedDrafter(Drafter):
     return {"cache_lengths_N": cached_N + count_N}, kv
 
   def extend(self, params, state, kv: LayerOffset, scratch: LevelScratch, inputs, sampling,
-             depth, tokens_NxW, paths_NxWxD, mask_WxE):
+             depth, tokens_NxW, paths_NxWxZ, mask_WxJ):
     num_slots, width = tokens_NxW.shape
     # The level sits after the root (fed by ``start`` at inputs.cache_lengths_N) and
     # attends to its ancestors among the earlier levels' scratch keys; it writes nothing.
@@ -127,14 +127,14 @@ class CachedDrafter(Drafter):
                                      (num_slots, width))
     level_kv = kv.replace(inner=kv.inner.replace(
         prefix_lengths_B=inputs.cache_lengths_N + 1,
-        new_mask_BxTxT=jnp.broadcast_to(jnp.asarray(mask_WxE), (num_slots,) + mask_WxE.shape),
+        new_mask_BxTxT=jnp.broadcast_to(jnp.asarray(mask_WxJ), (num_slots,) + mask_WxJ.shape),
         write_positions_BxT=jnp.full((num_slots, width), -1, jnp.int32),
         stash=True, new_k=(), new_v=(), scratch_k=scratch.keys, scratch_v=scratch.values))
     log_q_NxWxV, outputs_NxWxD, level_kv = self.decode_level(
-        params, tokens_NxW, positions_NxW, scratch.parents_NxPxD, level_kv, sampling)
+        params, tokens_NxW, positions_NxW, scratch.parents_NxIxD, level_kv, sampling)
     new_k, new_v = level_kv.inner.new_k, level_kv.inner.new_v
     if scratch.keys:
       new_k = tuple(jnp.concatenate([old, new], axis=1) for old, new in zip(scratch.keys, new_k))
       new_v = tuple(jnp.concatenate([old, new], axis=1)
                     for old, new in zip(scratch.values, new_v))
-    return log_q_NxWxV, LevelScratch(keys=new_k, values=new_v, parents_NxPxD=outputs_NxWxD)
+    return log_q_NxWxV, LevelScratch(keys=new_k, values=new_v, parents_NxIxD=outputs_NxWxD)

@@ -60,15 +60,15 @@ class DraftModel(CachedDrafter):
                                       compute_logits=False)
     return state, out.kv
 
-  def decode_fed(self, params, tokens_NxP, positions_NxP, valid_NxP, kv: LayerOffset):
-    out = self._model(params).forward(tokens_NxP, positions_BxT=positions_NxP, kv=kv,
+  def decode_fed(self, params, tokens_NxT, positions_NxT, valid_NxT, kv: LayerOffset):
+    out = self._model(params).forward(tokens_NxT, positions_BxT=positions_NxT, kv=kv,
                                       compute_logits=False)
     return out.hidden, out.kv
 
   def root_log_q(self, params, root_Nx1xD, sampling):
     return proposal_log_probs(self._model(params).unembed(root_Nx1xD)[:, 0], sampling)
 
-  def decode_level(self, params, tokens_NxW, positions_NxW, parents_NxPxD, kv: LayerOffset,
+  def decode_level(self, params, tokens_NxW, positions_NxW, parents_NxIxD, kv: LayerOffset,
                    sampling):
     out = self._model(params).forward(tokens_NxW, positions_BxT=positions_NxW, kv=kv)
     return proposal_log_probs(out.logits, sampling), out.hidden, out.kv

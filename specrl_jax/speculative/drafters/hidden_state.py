@@ -218,24 +218,24 @@ class HiddenStateDrafter(CachedDrafter):
                            inputs_UxTxF)
     return state, kv.replace(inner=inner)
 
-  def decode_fed(self, params, tokens_NxP, positions_NxP, valid_NxP, kv: LayerOffset):
+  def decode_fed(self, params, tokens_NxT, positions_NxT, valid_NxT, kv: LayerOffset):
     """Each fed token reads the stored feature of the position before."""
     head = merge_weights(self.graphdef, params["weights"])
     # Fused here, not when stored: plain rounds of an idle drafter store and never fuse.
-    features_NxPxD = head.fuse(read_features(kv.inner, kv.offset + FEATURE_LAYER,
-                                             jnp.where(valid_NxP, positions_NxP - 1, -1),
+    features_NxTxD = head.fuse(read_features(kv.inner, kv.offset + FEATURE_LAYER,
+                                             jnp.where(valid_NxT, positions_NxT - 1, -1),
                                              self.fusion_input_size))
-    return head.decode(tokens_NxP, features_NxPxD, positions_NxP, kv)
+    return head.decode(tokens_NxT, features_NxTxD, positions_NxT, kv)
 
   def root_log_q(self, params, root_Nx1xD, sampling):
     return self.target_log_q(params, root_Nx1xD, sampling)[:, 0]
 
-  def decode_level(self, params, tokens_NxW, positions_NxW, parents_NxPxD, kv: LayerOffset,
+  def decode_level(self, params, tokens_NxW, positions_NxW, parents_NxIxD, kv: LayerOffset,
                    sampling):
     """Each node reads its parent's output as its feature."""
     head = merge_weights(self.graphdef, params["weights"])
     # Breadth-first numbering: each parent's children are contiguous.
-    features_NxWxD = jnp.repeat(parents_NxPxD, tokens_NxW.shape[1] // parents_NxPxD.shape[1],
+    features_NxWxD = jnp.repeat(parents_NxIxD, tokens_NxW.shape[1] // parents_NxIxD.shape[1],
                                 axis=1)
     outputs_NxWxD, kv = head.decode(tokens_NxW, features_NxWxD, positions_NxW, kv)
     return self.target_log_q(params, outputs_NxWxD, sampling), outputs_NxWxD, kv

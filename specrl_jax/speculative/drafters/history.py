@@ -54,10 +54,10 @@ SOURCE_NONE, SOURCE_HISTORY, SOURCE_FALLBACK = 0, 1, 2
 
 @flax.struct.dataclass
 class FinishedTable:
-  """Rollouts finished in this call whose slots were reused (ring of F rows)."""
-  rows_FxL: Array
-  keys_F: Array
-  stamps_F: Array      # insertion order (-1: empty)
+  """Rollouts finished in this call whose slots were reused (ring of U rows)."""
+  rows_UxL: Array
+  keys_U: Array
+  stamps_U: Array      # insertion order (-1: empty)
   clock: Array
 
 
@@ -80,22 +80,22 @@ COUNTERS = ("history_rounds", "history_accepted", "fallback_rounds", "fallback_a
 def _retire(table: FinishedTable, retire_N: Array, keys_N: Array, rows_NxL: Array
             ) -> FinishedTable:
   """Appends the rows of ``retire_N`` to the ring, overwriting its oldest rows."""
-  size = table.keys_F.shape[0]
+  size = table.keys_U.shape[0]
   order_N = jnp.cumsum(retire_N) - 1
   index_N = jnp.where(retire_N, (table.clock + order_N) % size, size)
   stamp_N = table.clock + order_N
   return FinishedTable(
-      rows_FxL=table.rows_FxL.at[index_N].set(rows_NxL, mode="drop"),
-      keys_F=table.keys_F.at[index_N].set(keys_N, mode="drop"),
-      stamps_F=table.stamps_F.at[index_N].set(stamp_N, mode="drop"),
+      rows_UxL=table.rows_UxL.at[index_N].set(rows_NxL, mode="drop"),
+      keys_U=table.keys_U.at[index_N].set(keys_N, mode="drop"),
+      stamps_U=table.stamps_U.at[index_N].set(stamp_N, mode="drop"),
       clock=table.clock + jnp.sum(retire_N, dtype=jnp.int32))
 
 
 def _newest(scores_NxR: Array, count: int) -> tuple[Array, Array]:
   """Indices of the ``count`` highest non-negative scores per row, oldest of them
   first (the matcher weights later positions higher), and their validity."""
-  top_NxK, index_NxK = jax.lax.top_k(scores_NxR, count)
-  return index_NxK[:, ::-1], top_NxK[:, ::-1] >= 0
+  top_NxG, index_NxG = jax.lax.top_k(scores_NxR, count)
+  return index_NxG[:, ::-1], top_NxG[:, ::-1] >= 0
 
 
 # ----------------------------------------------------------------- the drafter
@@ -207,9 +207,9 @@ class History(Drafter):
     return HistoryState(
         request_N=zeros_N - 1, keys_N=jnp.zeros((num_slots,), jnp.uint32),
         rows_NxL=jnp.full((num_slots, length), -1, jnp.int32), root_source_N=zeros_N,
-        finished=FinishedTable(rows_FxL=jnp.full((size, length), -1, jnp.int32),
-                               keys_F=jnp.zeros((size,), jnp.uint32),
-                               stamps_F=jnp.full((size,), -1, jnp.int32), clock=jnp.int32(0)),
+        finished=FinishedTable(rows_UxL=jnp.full((size, length), -1, jnp.int32),
+                               keys_U=jnp.zeros((size,), jnp.uint32),
+                               stamps_U=jnp.full((size,), -1, jnp.int32), clock=jnp.int32(0)),
         counters={name: jnp.int32(0) for name in COUNTERS},
         fallback=self.fallback.init_state(num_slots) if self.fallback is not None else ())
 
@@ -230,7 +230,7 @@ class History(Drafter):
 
   def _sources(self, bank, finished: FinishedTable, inputs: RoundInputs, keys_N: Array,
                request_N: Array) -> Array:
-    """int32 [N, M]: everything each slot searches, oldest first (later positions weigh
+    """int32 [N, C]: everything each slot searches, oldest first (later positions weigh
     more), rollouts separated by -1."""
     c = self.config
     num_slots = keys_N.shape[0]
@@ -243,10 +243,10 @@ class History(Drafter):
 
     count = min(c.siblings, c.finished_rollouts)
     if count:
-      same_NxF = (finished.stamps_F[None, :] >= 0) & (finished.keys_F[None, :] == keys_N[:, None])
-      index_NxK, valid_NxK = _newest(jnp.where(same_NxF, finished.stamps_F[None, :], -1), count)
-      rows_NxKxL = jnp.where(valid_NxK[..., None], finished.rows_FxL[index_NxK], -1)
-      segments.append(rows_NxKxL.reshape(num_slots, -1))
+      same_NxU = (finished.stamps_U[None, :] >= 0) & (finished.keys_U[None, :] == keys_N[:, None])
+      index_NxG, valid_NxG = _newest(jnp.where(same_NxU, finished.stamps_U[None, :], -1), count)
+      rows_NxGxL = jnp.where(valid_NxG[..., None], finished.rows_UxL[index_NxG], -1)
+      segments.append(rows_NxGxL.reshape(num_slots, -1))
 
     count = min(c.siblings, num_slots - 1)
     if count:
@@ -254,9 +254,9 @@ class History(Drafter):
       live_N = inputs.prompt_lengths_N > 0
       same_NxN = ((keys_N[None, :] == keys_N[:, None]) & live_N[None, :]
                   & ~jnp.eye(num_slots, dtype=bool))
-      index_NxK, valid_NxK = _newest(jnp.where(same_NxN, request_N[None, :], -1), count)
+      index_NxG, valid_NxG = _newest(jnp.where(same_NxN, request_N[None, :], -1), count)
       rows_NxL = rollout_rows(inputs.history_NxC, inputs.prompt_lengths_N, c)
-      segments.append(jnp.where(valid_NxK[..., None], rows_NxL[index_NxK], -1)
+      segments.append(jnp.where(valid_NxG[..., None], rows_NxL[index_NxG], -1)
                       .reshape(num_slots, -1))
 
     segments.append(inputs.history_NxC)
@@ -271,8 +271,8 @@ class History(Drafter):
                                    axis=1)
     return jnp.where(offsets_Nxn >= 0, tail_Nxn, -1)
 
-  def _history_log_q(self, sources_NxM: Array, run_NxWxM: Array) -> Array:
-    return continuations_log_probs(sources_NxM, run_NxWxM, self.vocab_size,
+  def _history_log_q(self, sources_NxC: Array, run_NxWxC: Array) -> Array:
+    return continuations_log_probs(sources_NxC, run_NxWxC, self.vocab_size,
                                    self.config.min_match)
 
   # ----------------------------------------------------------------- the round
@@ -285,9 +285,9 @@ class History(Drafter):
     keys_N = prompt_keys(inputs.history_NxC, inputs.prompt_lengths_N)
     request_N = jnp.where(request_N >= 0, request_N, state.request_N)
 
-    sources_NxM = self._sources(params["bank"], finished, inputs, keys_N, request_N)
-    run_Nx1xM = suffix_runs(sources_NxM, self._tail(inputs)[:, None], self.config.max_match)
-    log_q_NxV = self._history_log_q(sources_NxM, run_Nx1xM)[:, 0]
+    sources_NxC = self._sources(params["bank"], finished, inputs, keys_N, request_N)
+    run_Nx1xC = suffix_runs(sources_NxC, self._tail(inputs)[:, None], self.config.max_match)
+    log_q_NxV = self._history_log_q(sources_NxC, run_Nx1xC)[:, 0]
     from_history_N = jnp.any(log_q_NxV > -jnp.inf, axis=-1)
 
     fallback_state, fallback_scratch = state.fallback, ()
@@ -302,20 +302,20 @@ class History(Drafter):
     state = state.replace(request_N=request_N, keys_N=keys_N, finished=finished,
                           root_source_N=source_N, fallback=fallback_state)
     # Deeper levels extend the root's runs by their tokens (see ``extend_runs``).
-    return log_q_NxV, state, kv, (sources_NxM, run_Nx1xM, fallback_scratch)
+    return log_q_NxV, state, kv, (sources_NxC, run_Nx1xC, fallback_scratch)
 
   def extend(self, params, state: HistoryState, kv, scratch, inputs, sampling, depth,
-             tokens_NxW, paths_NxWxD, mask_WxE):
-    sources_NxM, parent_runs_NxPxM, fallback_scratch = scratch
-    run_NxWxM = extend_runs(sources_NxM, parent_runs_NxPxM, tokens_NxW, self.config.max_match)
-    log_q_NxWxV = self._history_log_q(sources_NxM, run_NxWxM)
+             tokens_NxW, paths_NxWxZ, mask_WxJ):
+    sources_NxC, parent_runs_NxPxC, fallback_scratch = scratch
+    run_NxWxC = extend_runs(sources_NxC, parent_runs_NxPxC, tokens_NxW, self.config.max_match)
+    log_q_NxWxV = self._history_log_q(sources_NxC, run_NxWxC)
     if self.fallback is not None:
       fallback_log_q_NxWxV, fallback_scratch = self.fallback.extend(
           params["fallback"], state.fallback, kv, fallback_scratch, inputs, sampling, depth,
-          tokens_NxW, paths_NxWxD, mask_WxE)
+          tokens_NxW, paths_NxWxZ, mask_WxJ)
       from_history_NxW = jnp.any(log_q_NxWxV > -jnp.inf, axis=-1)
       log_q_NxWxV = jnp.where(from_history_NxW[..., None], log_q_NxWxV, fallback_log_q_NxWxV)
-    return log_q_NxWxV, (sources_NxM, run_NxWxM, fallback_scratch)
+    return log_q_NxWxV, (sources_NxC, run_NxWxC, fallback_scratch)
 
   def finish(self, params, state: HistoryState, kv, inputs, verdict, target_output):
     if self.fallback is not None:

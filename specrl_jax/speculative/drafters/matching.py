@@ -13,62 +13,62 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def suffix_runs(sources_NxM: Array, context_NxWxL: Array, max_n: int) -> Array:
-  """int32 [N, W, M]: how many of each context's last tokens (at most max_n) match the
+def suffix_runs(sources_NxC: Array, context_NxWxL: Array, max_n: int) -> Array:
+  """int32 [N, W, C]: how many of each context's last tokens (at most max_n) match the
   sources ending at each position. Sources may hold several sequences separated by -1:
   a run never crosses one."""
-  num_slots, length = sources_NxM.shape
+  num_slots, length = sources_NxC.shape
   width = context_NxWxL.shape[1]
-  alive_NxWxM = jnp.ones((num_slots, width, length), bool)
-  run_NxWxM = jnp.zeros((num_slots, width, length), jnp.int32)
+  alive_NxWxC = jnp.ones((num_slots, width, length), bool)
+  run_NxWxC = jnp.zeros((num_slots, width, length), jnp.int32)
   for back in range(min(max_n, context_NxWxL.shape[2])):
-    earlier_NxM = jnp.pad(sources_NxM, ((0, 0), (back, 0)), constant_values=-1)[:, :length]
+    earlier_NxC = jnp.pad(sources_NxC, ((0, 0), (back, 0)), constant_values=-1)[:, :length]
     token_NxW = context_NxWxL[:, :, -1 - back]
-    alive_NxWxM &= ((earlier_NxM[:, None, :] == token_NxW[..., None])
+    alive_NxWxC &= ((earlier_NxC[:, None, :] == token_NxW[..., None])
                     & (token_NxW >= 0)[..., None])
-    run_NxWxM += alive_NxWxM
-  return run_NxWxM
+    run_NxWxC += alive_NxWxC
+  return run_NxWxC
 
 
-def extend_runs(sources_NxM: Array, parent_runs_NxPxM: Array, tokens_NxW: Array,
+def extend_runs(sources_NxC: Array, parent_runs_NxPxC: Array, tokens_NxW: Array,
                 max_n: int) -> Array:
   """``suffix_runs`` of the W children of P parents (each parent's children contiguous)
   whose contexts append ``tokens_NxW``: a run ending at s continues the parent's run
-  ending at s - 1 when s holds the child's token. O(M) per child instead of O(M * max_n)."""
+  ending at s - 1 when s holds the child's token. O(C) per child instead of O(C * max_n)."""
   width = tokens_NxW.shape[1]
-  parents_NxWxM = jnp.repeat(parent_runs_NxPxM, width // parent_runs_NxPxM.shape[1], axis=1)
-  earlier_NxWxM = jnp.pad(parents_NxWxM, ((0, 0), (0, 0), (1, 0)))[:, :, :-1]
-  same_NxWxM = ((sources_NxM[:, None, :] == tokens_NxW[..., None])
+  parents_NxWxC = jnp.repeat(parent_runs_NxPxC, width // parent_runs_NxPxC.shape[1], axis=1)
+  earlier_NxWxC = jnp.pad(parents_NxWxC, ((0, 0), (0, 0), (1, 0)))[:, :, :-1]
+  same_NxWxC = ((sources_NxC[:, None, :] == tokens_NxW[..., None])
                 & (tokens_NxW >= 0)[..., None])
-  return jnp.where(same_NxWxM, jnp.minimum(earlier_NxWxM + 1, max_n), 0)
+  return jnp.where(same_NxWxC, jnp.minimum(earlier_NxWxC + 1, max_n), 0)
 
 
-def continuations_log_probs(sources_NxM: Array, run_NxWxM: Array, vocab_size: int,
+def continuations_log_probs(sources_NxC: Array, run_NxWxC: Array, vocab_size: int,
                             min_n: int) -> Array:
   """log q [N, W, V] over the tokens that followed the longest runs (at least min_n),
   recency-weighted; rows with no such run get -inf everywhere."""
-  num_slots, width, length = run_NxWxM.shape
-  next_NxM = jnp.concatenate([sources_NxM[:, 1:], jnp.full((num_slots, 1), -1, jnp.int32)],
+  num_slots, width, length = run_NxWxC.shape
+  next_NxC = jnp.concatenate([sources_NxC[:, 1:], jnp.full((num_slots, 1), -1, jnp.int32)],
                              axis=1)
-  has_next_NxM = (next_NxM >= 0) & (next_NxM < vocab_size)
-  run_NxWxM = jnp.where(has_next_NxM[:, None], run_NxWxM, 0)
-  best_NxW = jnp.max(run_NxWxM, axis=-1)
-  use_NxWxM = (run_NxWxM == best_NxW[..., None]) & (best_NxW >= min_n)[..., None]
+  has_next_NxC = (next_NxC >= 0) & (next_NxC < vocab_size)
+  run_NxWxC = jnp.where(has_next_NxC[:, None], run_NxWxC, 0)
+  best_NxW = jnp.max(run_NxWxC, axis=-1)
+  use_NxWxC = (run_NxWxC == best_NxW[..., None]) & (best_NxW >= min_n)[..., None]
   # Weighted by where the matched window starts, exactly as the n-gram drafter does.
-  start_NxWxM = jnp.arange(length)[None, None, :] + 1 - best_NxW[..., None]
-  weight_NxWxM = use_NxWxM * (1.0 + start_NxWxM / length)
-  slot_NxWxM = jnp.broadcast_to(jnp.arange(num_slots)[:, None, None], use_NxWxM.shape)
-  node_NxWxM = jnp.broadcast_to(jnp.arange(width)[None, :, None], use_NxWxM.shape)
-  token_NxWxM = jnp.broadcast_to(jnp.where(has_next_NxM, next_NxM, 0)[:, None], use_NxWxM.shape)
+  start_NxWxC = jnp.arange(length)[None, None, :] + 1 - best_NxW[..., None]
+  weight_NxWxC = use_NxWxC * (1.0 + start_NxWxC / length)
+  slot_NxWxC = jnp.broadcast_to(jnp.arange(num_slots)[:, None, None], use_NxWxC.shape)
+  node_NxWxC = jnp.broadcast_to(jnp.arange(width)[None, :, None], use_NxWxC.shape)
+  token_NxWxC = jnp.broadcast_to(jnp.where(has_next_NxC, next_NxC, 0)[:, None], use_NxWxC.shape)
   counts_NxWxV = jnp.zeros((num_slots, width, vocab_size)).at[
-      slot_NxWxM, node_NxWxM, token_NxWxM].add(weight_NxWxM)
+      slot_NxWxC, node_NxWxC, token_NxWxC].add(weight_NxWxC)
   total_NxWx1 = jnp.sum(counts_NxWxV, axis=-1, keepdims=True)
   return jnp.where(counts_NxWxV > 0,
                    jnp.log(counts_NxWxV / jnp.where(total_NxWx1 > 0, total_NxWx1, 1.0)),
                    -jnp.inf)
 
 
-def longest_match_log_probs(sources_NxM: Array, context_NxWxL: Array, vocab_size: int,
+def longest_match_log_probs(sources_NxC: Array, context_NxWxL: Array, vocab_size: int,
                             max_n: int, min_n: int) -> Array:
   """log q [N, W, V] over the tokens that followed the longest suffix of each context
   (up to max_n tokens, at least min_n) found in the slot's sources.
@@ -76,9 +76,9 @@ def longest_match_log_probs(sources_NxM: Array, context_NxWxL: Array, vocab_size
   That is: the recency-weighted continuations of the largest n in [min_n, max_n] whose
   last-n-token window occurs, found in one pass over n (the run of matching tokens
   ending at each source position grows while the tokens keep matching), so the cost is
-  O(M * max_n) rather than O(M * max_n^2) and long matches are affordable. Sources
+  O(C * max_n) rather than O(C * max_n^2) and long matches are affordable. Sources
   may hold several sequences separated by -1; nothing is proposed from a position
   whose next entry is not a token.
   """
-  return continuations_log_probs(sources_NxM, suffix_runs(sources_NxM, context_NxWxL, max_n),
+  return continuations_log_probs(sources_NxC, suffix_runs(sources_NxC, context_NxWxL, max_n),
                                  vocab_size, min_n)

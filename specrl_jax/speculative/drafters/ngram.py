@@ -78,9 +78,9 @@ class NGram(Drafter):
     return log_q[:, 0], state, kv, ()
 
   def extend(self, params, state, kv, scratch, inputs, sampling, depth, tokens_NxW,
-             paths_NxWxD, mask_WxE):
+             paths_NxWxZ, mask_WxJ):
     width = tokens_NxW.shape[1]
     tail_NxWxn = jnp.broadcast_to(self._tail(inputs)[:, None], (tokens_NxW.shape[0], width, self.n))
-    context = jnp.concatenate([tail_NxWxn, paths_NxWxD[:, :, :depth]], axis=-1)
+    context = jnp.concatenate([tail_NxWxn, paths_NxWxZ[:, :, :depth]], axis=-1)
     return longest_match_log_probs(self._sources(inputs), context, self.vocab_size, self.n,
                                    self.min_n), scratch

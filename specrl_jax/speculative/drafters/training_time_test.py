@@ -51,12 +51,12 @@ class UnrollKV:
     key_1xT = jnp.arange(length)[None, :]
     masks = [key_1xT <= query_Tx1 - step]
     masks += [key_1xT == query_Tx1 - step + k for k in range(1, step + 1)]
-    mask_TxS = jnp.concatenate(masks, axis=1)
+    mask_TxL = jnp.concatenate(masks, axis=1)
     keys = self.keys + (k_BxTxKxD,)
     values = self.values + (v_BxTxKxD,)
     out = grouped_attention(q_BxTxHxD, jnp.concatenate(keys, axis=1),
                             jnp.concatenate(values, axis=1),
-                            jnp.broadcast_to(mask_TxS, (batch,) + mask_TxS.shape))
+                            jnp.broadcast_to(mask_TxL, (batch,) + mask_TxL.shape))
     return out, UnrollKV(keys=keys, values=values)
 
 
