@@ -216,9 +216,11 @@ class RLSection:
                          warmup_steps=self.warmup_steps, max_grad_norm=1.0,
                          loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
 
-  def rollout(self, max_new_tokens: int) -> RolloutConfig:
+  def rollout(self, max_new_tokens: int,
+              stop_token_ids: tuple[int, ...] = (tokenizer.EOS_ID,)) -> RolloutConfig:
+    """stop_token_ids: the policy tokenizer's eos ids (default the built-in EOS)."""
     sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,
-                              stop_token_ids=(tokenizer.EOS_ID,))
+                              stop_token_ids=tuple(stop_token_ids))
     return RolloutConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
                          sampling=sampling)
 
