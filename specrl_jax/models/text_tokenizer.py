@@ -22,10 +22,13 @@ import datetime
 import functools
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import tokenizers
+
+from specrl_jax.config import ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -36,7 +39,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
                        "cls_token", "mask_token")
 
 
-class TokenizerFormatError(ValueError):
+class TokenizerFormatError(ConfigError):
   """A tokenizer folder is missing a file or holds an invalid one."""
 
 
@@ -205,19 +208,40 @@ class TextTokenizer:
     except jinja2.exceptions.TemplateError as error:
       raise TokenizerFormatError(f"the chat template of {self.source} failed: {error}") from None
 
+  @functools.cached_property
+  def _alphabet(self) -> frozenset[str] | None:
+    """The characters a merge-based model can encode, when it drops all others: BPE
+    with neither an unknown token nor byte fallback nor a byte-level pre-tokenizer
+    (None otherwise: then every character has some encoding)."""
+    spec = json.loads(self.tokenizer.to_str())
+    model = spec.get("model") or {}
+    if (model.get("type") != "BPE" or model.get("unk_token") is not None
+        or model.get("byte_fallback") or "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))):
+      return None
+    return frozenset("".join(self.tokenizer.get_vocab(with_added_tokens=False)))
+
+  def _check_characters(self, text: str) -> None:
+    alphabet = self._alphabet
+    if alphabet is None:
+      return
+    added = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values()),
+                   key=len, reverse=True)
+    spans = ([m.span() for m in re.finditer("|".join(map(re.escape, added)), text)]
+             if added else [])
+    inside = bytearray(len(text))
+    for start, end in spans:
+      inside[start:end] = b"\x01" * (end - start)
+    for position, char in enumerate(text):
+      if not inside[position] and not char.isspace() and char not in alphabet:
+        raise UnknownTextError(
+            f"character {char!r} (U+{ord(char):04X}) at position {position} has no token in "
+            f"the tokenizer of {self.source} (it would be dropped)")
+
   def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
     """Ids of ``text``; a character the tokenizer would silently drop (no token and
     no unknown token covers it) is refused with UnknownTextError."""
-    encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    covered = bytearray(len(text))
-    for start, end in encoding.offsets:
-      covered[start:end] = b"\x01" * (end - start)
-    for position, char in enumerate(text):
-      if not covered[position] and not char.isspace():
-        raise UnknownTextError(
-            f"character {char!r} (U+{ord(char):04X}) at position {position} has no token in "
-            f"the tokenizer of {self.source}")
-    return list(encoding.ids)
+    self._check_characters(text)
+    return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
   def encode_prompt(self, prompt: str, *, system: str | None = None) -> list[int]:
     """The prompt's ids as the policy sees them (template, or plain text + bos)."""

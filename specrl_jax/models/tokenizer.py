@@ -15,7 +15,7 @@ import functools
 from collections.abc import Iterable
 
 import tokenizers
-from tokenizers import Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import decoders, models, processors
 
 from specrl_jax.models.text_tokenizer import TextTokenizer
 
@@ -56,9 +56,6 @@ def text_tokenizer() -> TextTokenizer:
   it compare equal, so compiled steps are reused). Saved with ``.save(path)`` it is an
   ordinary Hugging Face tokenizer folder whose encode adds BOS, as ours does."""
   tokenizer = builtin_tokenizer()
-  # One word per character: the encoding's offsets then show which characters had no
-  # token (merge-free BPE without an unknown token drops them, shifting the offsets).
-  tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
   tokenizer.post_processor = processors.TemplateProcessing(
       single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)])
   return TextTokenizer(tokenizer=tokenizer,

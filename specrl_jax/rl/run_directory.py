@@ -27,7 +27,8 @@ WARM_START_KEY = "key.json"
 # What a resumed run may change: how long it runs, where it runs (checkpoints restore
 # onto any mesh), and what it writes. Anything else would continue one experiment's
 # state under another's settings.
-RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices", "output.")
+RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices", "output.",
+             "data.eval_every", "data.eval_k", "data.eval_max_prompts")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -98,6 +99,8 @@ def warm_start_key(config: Mapping[str, Any]) -> dict[str, Any]:
   drafter = dict(config["drafter"])
   key = {"policy": config["policy"], "task": config["task"],
          "warm_start": config["warm_start"], "drafter_kind": drafter["kind"]}
+  if config.get("data", {}).get("path"):  # SFT reads the dataset's solutions
+    key["data"] = config["data"]
   if drafter["kind"] == "draft_model":
     key["draft_model"] = {name: drafter[name] for name in (
         "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

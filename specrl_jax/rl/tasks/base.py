@@ -70,6 +70,10 @@ class Task(abc.ABC):
   def reward(self, targets: Mapping[str, Array], tokens_RxL: Array, lengths_R: Array) -> Array:
     """Jittable float32 rewards [R] of responses against their problems' targets."""
 
+  def prompt_problems(self, size: int, rng: np.random.Generator) -> list[Problem]:
+    """The problems of a prompt set: ``size`` samples (a dataset gives its rows)."""
+    return [self.sample(rng) for _ in range(size)]
+
   @property
   def tokenizer(self) -> TextTokenizer:
     """The tokenizer prompts, solutions and responses are encoded with."""
@@ -180,12 +184,12 @@ def encode_problems(problems: Sequence[Problem], *, max_prompt_tokens: int,
 
 def make_prompt_set(task: Task, size: int, *, seed: int, max_prompt_tokens: int = 64,
                     bucket: int = 16) -> PromptSet:
-  """``size`` problems sampled from ``task`` with ``seed`` (reproducible), encoded
-  with the task's tokenizer."""
+  """``task``'s prompt problems (``size`` samples drawn with ``seed``, or a dataset's
+  rows), encoded with the task's tokenizer."""
   check(isinstance(size, int) and size > 0, "make_prompt_set", "size", size,
         "a positive integer")
   rng = np.random.default_rng(seed)
-  return encode_problems([task.sample(rng) for _ in range(size)],
+  return encode_problems(task.prompt_problems(size, rng),
                          max_prompt_tokens=max_prompt_tokens, bucket=bucket,
                          text_tokenizer=task.tokenizer)
 
