@@ -157,7 +157,7 @@ def test_train_three_steps_resume_to_five_then_eval_prints_pass_at_k(workspace, 
   seen = [row for record in records for row in record["data"]["rows"]]
   assert len(set(seen)) == len(seen) == 5 * PROMPTS_PER_STEP  # none twice in an epoch
   held_out = {r["question"] for r in session.eval_task.records}
-  assert not held_out & {workspace["rows"][i]["question"] for i in seen}
+  assert not held_out & {session.task.records[i]["question"] for i in seen}
 
   for record in records:
     assert {"prompt", "completion", "reward"} <= set(record["samples"][0])

@@ -319,8 +319,8 @@ class Session:
         samples = getattr(self.task, "take_samples", lambda: [])()
         if samples:
           metrics["samples"] = samples
-        if self.eval_task is not None and config.data.eval_every and (
-            (step + 1) % config.data.eval_every == 0 or step + 1 == config.rl.steps):
+        if (self.eval_task is not None and config.data.eval_every
+            and (step + 1) % config.data.eval_every == 0):
           metrics.update(self.evaluate(graphdef, state, step))
         if writer is not None:
           writer.write(step, metrics)
