@@ -218,7 +218,9 @@ class TextTokenizer:
     if (model.get("type") != "BPE" or model.get("unk_token") is not None
         or model.get("byte_fallback") or "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))):
       return None
-    return frozenset("".join(self.tokenizer.get_vocab(with_added_tokens=False)))
+    added = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+    return frozenset("".join(token for token in self.tokenizer.get_vocab(with_added_tokens=False)
+                             if token not in added))
 
   def _check_characters(self, text: str) -> None:
     alphabet = self._alphabet
