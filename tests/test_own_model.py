@@ -7,7 +7,6 @@ rollouts stop at the tokenizer's eos ids (from generation_config.json).
 """
 
 import json
-import os
 
 import jax
 import numpy as np

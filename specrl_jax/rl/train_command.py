@@ -41,20 +41,17 @@ from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.distributed import DistributedError
 from specrl_jax.parallel.launch import DISTRIBUTED_FLAGS, parse_distributed_argv  # noqa: F401
-from specrl_jax.rl import numerics, run_directory
-from specrl_jax.models import tokenizer
-from specrl_jax.models.text_tokenizer import TextTokenizer
+from specrl_jax.rl import numerics, run_data, run_directory
 from specrl_jax.rl.async_pipeline import AsyncPipeline, StalePolicyError
-from specrl_jax.rl.evaluation import evaluate
-from specrl_jax.rl.experiment import ExperimentConfig, PRESETS, experiment_config, to_dict
+from specrl_jax.rl.experiment import ExperimentConfig, PRESETS, to_dict
 from specrl_jax.rl.guards import CollapseDetector, TrainingDivergedError, check_step
 from specrl_jax.rl.learner import TrainState, abstract_train_state, init_train_state
 from specrl_jax.rl.metrics import MetricsWriter, plot_run, read_jsonl, summarize, with_rates
 from specrl_jax.rl.meshes import check_layout, checkpoint_mesh, run_meshes
 from specrl_jax.rl.online_drafters import OnlineDrafter, online_drafter
 from specrl_jax.rl.sync import RLProgram, build_program, prompts_on_mesh, to_host
-from specrl_jax.rl.tasks import (
-    DatasetTask, PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices)
+from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
+from specrl_jax.rl.train_argv import parse_argv
 from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
 from specrl_jax.sampling.results import PagePoolExhaustedError
 
@@ -69,13 +66,8 @@ class Session:
     self.config = config
     self.log = log
     # The policy's own tokenizer drives prompts, stop tokens and decoding.
-    self.text_tokenizer = (TextTokenizer.from_pretrained(config.policy.path)
-                           if config.policy.path else tokenizer.text_tokenizer())
-    self.eval_task: DatasetTask | None = None
-    if task is None and config.data.path:
-      task, self.eval_task = config.data.make(self.text_tokenizer)
-    self.task = task if task is not None else config.task.make()
-    self.task.check_tokenizer(self.text_tokenizer)
+    self.text_tokenizer = run_data.policy_tokenizer(config)
+    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task)
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
@@ -125,12 +117,7 @@ class Session:
       raise ConfigError(f"OutputSection.directory={self.directory!r} is invalid: expected a "
                         "directory (or a path to create one at), not a file.")
     check_layout(self.config.rl, *self.meshes())
-    data = self.config.data
-    if data.path and not data.solution_field and self.config.warm_start.sft_steps:
-      raise ConfigError(
-          f"WarmStartSection.sft_steps={self.config.warm_start.sft_steps} is invalid with a "
-          "dataset without worked solutions: set --data.solution_field=COLUMN or "
-          "--warm_start.sft_steps=0")
+    run_data.check_data(self.config)
     self.check_resumable()
 
   def _fresh_models(self) -> Models:
@@ -315,13 +302,9 @@ class Session:
           self.log(f"warning: step {step}: zero gradient norm and constant reward "
                    f"{metrics['reward_mean']} for {collapse.run} steps: the run has no "
                    "learning signal left (collapsed, or every sample scores the same)")
-        metrics["data"] = self.data_position(step)
-        samples = getattr(self.task, "take_samples", lambda: [])()
-        if samples:
-          metrics["samples"] = samples
-        if (self.eval_task is not None and config.data.eval_every
-            and (step + 1) % config.data.eval_every == 0):
-          metrics.update(self.evaluate(graphdef, state, step))
+        metrics.update(run_data.step_records(config, self.task, self.eval_task,
+                                             self.prompt_set, self.step_indices(step), step,
+                                             graphdef, state))
         if writer is not None:
           writer.write(step, metrics)
         self._check(step, metrics, last_saved, state)
@@ -349,27 +332,6 @@ class Session:
     plots = plot_run(records, os.path.join(self.directory, "plots")) if config.output.plots else []
     return summarize(records, plots)
 
-  def data_position(self, step: int) -> dict[str, Any]:
-    """Where step ``step`` is in the data: its epoch and its prompts (dataset rows for
-    a dataset task, else prompt-set indices)."""
-    indices = self.step_indices(step)
-    if "index" in self.prompt_set.targets:
-      rows = [int(r) for r in self.prompt_set.targets["index"][indices]]
-    else:
-      rows = [int(i) for i in indices]
-    epoch = step * self.config.rl.prompts_per_step // len(self.prompt_set)
-    return {"epoch": epoch, "rows": rows}
-
-  def evaluate(self, graphdef, state: TrainState, step: int) -> dict[str, Any]:
-    """The held-out split's pass@1..k and mean reward under ``state``'s policy, as
-    ``eval_*`` metrics."""
-    data = self.config.data
-    model = nnx.merge(graphdef, jax.device_get(state.params))
-    result = evaluate(model, self.eval_task, k=data.eval_k, temperature=self.config.rl.temperature,
-                      seed=step, threshold=data.correct_threshold,
-                      max_prompts=data.eval_max_prompts)
-    return {f"eval_{name}": value for name, value in result.items()}
-
   def _sync_steps(self, program: RLProgram, state: TrainState, steps):
     num_prompts = self.config.rl.prompts_per_step
     rows = distributed.process_rows(program.rows, num_prompts)
@@ -395,30 +357,6 @@ class Session:
             "no checkpoint had been written yet")
     check_step(step, metrics, kept=kept,
                leaf_name_of=lambda index: numerics.leaf_name(state, index))
-
-
-# Short flags for the fields a run on one's own model and data always sets.
-ALIASES = {"--model": "--policy.path", "--dataset": "--data.path", "--reward": "--data.reward"}
-
-
-def parse_argv(argv: Sequence[str]) -> ExperimentConfig:
-  """The run's config: ``--preset`` (default "demo", or "dataset" with --model or
-  --dataset), then the overrides in order."""
-  preset, overrides = None, []
-  for arg in argv:
-    name, _, value = arg.partition("=")
-    if name == "--preset":
-      preset = value
-    else:
-      overrides.append(f"{ALIASES[name]}={value}" if name in ALIASES else arg)
-  if preset is None:
-    own = any(arg.partition("=")[0] in ("--model", "--dataset") for arg in argv)
-    preset = "dataset" if own else "demo"
-  config = experiment_config(preset, overrides)
-  if preset != "demo" or any(a.startswith("--output.directory=") for a in overrides):
-    return config
-  return dataclasses.replace(config, output=dataclasses.replace(config.output,
-                                                                directory="runs/train"))
 
 
 def _quiet(message: str) -> None:
