@@ -188,3 +188,26 @@ def test_a_builtin_vocabulary_task_refuses_another_tokenizer(tmp_path):
   with pytest.raises(ConfigError, match="task 'arithmetic' encodes with the built-in vocabulary"):
     Arithmetic().check_tokenizer(other)
   Arithmetic().check_tokenizer(builtin.text_tokenizer())
+
+
+def test_the_builtin_vocabulary_saves_as_a_folder_transformers_encodes_alike(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  builtin.text_tokenizer().save(tmp_path)
+  hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert hf("12+3=")["input_ids"] == builtin.encode("12+3=", add_bos=True)
+  assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (1, 2, 0)
+
+
+def test_a_run_recorded_before_the_data_fields_existed_still_resumes(tmp_path):
+  import dataclasses
+
+  from specrl_jax.rl import run_directory
+  from specrl_jax.rl.experiment import ExperimentConfig, to_dict
+  old = to_dict(ExperimentConfig())
+  del old["data"], old["policy"]["path"]
+  run_directory.write_json(str(tmp_path / run_directory.CONFIG), old)
+  defaults = to_dict(ExperimentConfig())
+  run_directory.check_resumable(str(tmp_path), [3], to_dict(ExperimentConfig()), defaults)
+  changed = dataclasses.replace(ExperimentConfig(), data=DataSection(path="rows.jsonl"))
+  with pytest.raises(ConfigError, match=r"data.path: '' -> 'rows.jsonl'"):
+    run_directory.check_resumable(str(tmp_path), [3], to_dict(changed), defaults)

@@ -43,9 +43,11 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def differences(old: Mapping[str, Any], new: Mapping[str, Any],
-                ignore: tuple[str, ...] = ()) -> list[str]:
-  """"field: old -> new" for every field that differs (and is not under ``ignore``)."""
-  old, new = flatten(old), flatten(new)
+                ignore: tuple[str, ...] = (), defaults: Mapping[str, Any] | None = None
+                ) -> list[str]:
+  """"field: old -> new" for every field that differs (and is not under ``ignore``);
+  a field ``old`` lacks (recorded before it existed) reads as its value in ``defaults``."""
+  old, new = {**flatten(defaults or {}), **flatten(old)}, flatten(new)
   lines = []
   for name in sorted(set(old) | set(new)):
     if any(name == i or (i.endswith(".") and name.startswith(i)) for i in ignore):
@@ -76,15 +78,17 @@ def read_json(path: str) -> dict[str, Any] | None:
 
 
 def check_resumable(directory: str, checkpoint_steps: list[int],
-                    config: Mapping[str, Any]) -> None:
+                    config: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+                    ) -> None:
   """Raises ConfigError, touching nothing, if ``config`` may not continue the
-  checkpoints of the run in ``directory`` (``checkpoint_steps``: those present)."""
+  checkpoints of the run in ``directory`` (``checkpoint_steps``: those present);
+  ``defaults``: the values of fields newer than the recorded config."""
   if not checkpoint_steps:
     return
   recorded = read_json(os.path.join(directory, CONFIG))
   if recorded is None:
     return  # an older run without a record: restoring checks the state's shapes
-  changed = differences(recorded, config, ignore=RESUMABLE)
+  changed = differences(recorded, config, ignore=RESUMABLE, defaults=defaults)
   if changed:
     raise ConfigError(
         f"the run in {directory} has checkpoints (steps {checkpoint_steps}) made with "

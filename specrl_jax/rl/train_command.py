@@ -109,7 +109,8 @@ class Session:
     """Refuses, before anything is touched, a config that may not continue the
     checkpoints already in the directory (see ``run_directory.RESUMABLE``)."""
     if self.config.output.resume:
-      run_directory.check_resumable(self.directory, self.checkpoint_steps(), self.record)
+      run_directory.check_resumable(self.directory, self.checkpoint_steps(), self.record,
+                                    defaults=to_dict(ExperimentConfig()))
 
   def check(self) -> None:
     """Raises ConfigError now for what would otherwise fail after the warm start."""
