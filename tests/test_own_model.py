@@ -170,3 +170,14 @@ def test_train_three_steps_resume_to_five_then_eval_prints_pass_at_k(workspace, 
   passes = [result[f"pass@{j}"] for j in range(1, 5)]
   assert passes == sorted(passes) and 0 <= passes[0] and passes[-1] <= 1
   assert 0 <= result["reward_mean"] <= 1
+
+
+def test_eval_of_a_hugging_face_folder_reads_every_row_of_the_dataset(workspace, capsys):
+  assert cli.main(["eval", f"--checkpoint={workspace['model']}", f"--dataset={workspace['data']}",
+                   f"--reward={workspace['reward']}", "--data.prompt_field=question",
+                   "--data.max_response_tokens=8", "--k=2", "--max_prompts=3"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert result["step"] is None and result["num_prompts"] == 3
+  assert 0 <= result["pass@1"] <= result["pass@2"] <= 1
+  assert cli.main(["eval", f"--checkpoint={workspace['model']}"]) == 1
+  assert "no dataset: give --dataset=FILE" in capsys.readouterr().err
