@@ -211,3 +211,10 @@ def test_a_run_recorded_before_the_data_fields_existed_still_resumes(tmp_path):
   changed = dataclasses.replace(ExperimentConfig(), data=DataSection(path="rows.jsonl"))
   with pytest.raises(ConfigError, match=r"data.path: '' -> 'rows.jsonl'"):
     run_directory.check_resumable(str(tmp_path), [3], to_dict(changed), defaults)
+
+
+def test_decoding_stops_at_eos_and_skips_ids_past_the_tokenizers_vocabulary():
+  tok = builtin.text_tokenizer()
+  ids = builtin.encode("12") + [builtin.VOCAB_SIZE + 5] + builtin.encode("3")
+  assert tok.decode(ids + [builtin.EOS_ID] + builtin.encode("9")) == "123"
+  assert tok.decode(ids + [-1, 4]) == "123"

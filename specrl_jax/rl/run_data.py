@@ -70,7 +70,9 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
   if samples:
     records["samples"] = samples
   every = config.data.eval_every
-  if held_out is not None and every and (step + 1) % every == 0:
+  # One process's evaluation: the weights of a multi-process mesh are not all here.
+  if (held_out is not None and every and (step + 1) % every == 0
+      and jax.process_count() == 1):
     model = nnx.merge(graphdef, jax.device_get(state.params))
     result = evaluate(model, held_out, k=config.data.eval_k,
                       temperature=config.rl.temperature, seed=step,
