@@ -13,11 +13,11 @@ from specrl_jax.rl.tasks.base import (
 from specrl_jax.rl.tasks.countdown import Countdown, parse_lines
 from specrl_jax.rl.tasks.dataset import DatasetError, read_records, split_records
 from specrl_jax.rl.tasks.dataset_task import DatasetTask
-from specrl_jax.rl.tasks.rewards import BUILTIN as BUILTIN_REWARDS, resolve_reward
 from specrl_jax.rl.tasks.python_reward import (
     PythonRewardTask, RewardFunctionError, arithmetic_answer_checker, decode_answer,
     python_reward, raise_pending_errors,
 )
+from specrl_jax.rl.tasks.rewards import BUILTIN as BUILTIN_REWARDS, resolve_reward
 
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": Arithmetic,
