@@ -218,3 +218,13 @@ def test_decoding_stops_at_eos_and_skips_ids_past_the_tokenizers_vocabulary():
   ids = builtin.encode("12") + [builtin.VOCAB_SIZE + 5] + builtin.encode("3")
   assert tok.decode(ids + [builtin.EOS_ID] + builtin.encode("9")) == "123"
   assert tok.decode(ids + [-1, 4]) == "123"
+
+
+def test_a_model_folder_whose_tokenizer_outgrows_its_embeddings_is_refused(tmp_path):
+  from specrl_jax.rl import run_data
+  from specrl_jax.rl.experiment import experiment_config
+  builtin.text_tokenizer().save(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
+  config = experiment_config("dataset", [f"--policy.path={tmp_path}"])
+  with pytest.raises(ConfigError, match=r"has 60 tokens but .*vocab_size=10"):
+    run_data.policy_tokenizer(config)

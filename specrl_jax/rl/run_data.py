@@ -4,6 +4,7 @@ records (where the step is in the data, a few scored samples, periodic evaluatio
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from flax import nnx
 from specrl_jax.config import ConfigError
 from specrl_jax.models import tokenizer
 from specrl_jax.models.text_tokenizer import TextTokenizer
+from specrl_jax.rl import run_directory
 from specrl_jax.rl.evaluation import evaluate
 from specrl_jax.rl.experiment import ExperimentConfig
 from specrl_jax.rl.tasks import DatasetTask, PromptSet, Task
@@ -20,9 +22,17 @@ from specrl_jax.rl.tasks import DatasetTask, PromptSet, Task
 
 def policy_tokenizer(config: ExperimentConfig) -> TextTokenizer:
   """The policy folder's own tokenizer, else the built-in vocabulary's."""
-  if config.policy.path:
-    return TextTokenizer.from_pretrained(config.policy.path)
-  return tokenizer.text_tokenizer()
+  if not config.policy.path:
+    return tokenizer.text_tokenizer()
+  text_tokenizer = TextTokenizer.from_pretrained(config.policy.path)
+  model_config = os.path.join(config.policy.path, "config.json")
+  vocab_size = (run_directory.read_json(model_config) or {}).get("vocab_size")
+  # Ids past the embedding table would be clamped by the gather, silently.
+  if isinstance(vocab_size, int) and text_tokenizer.vocab_size > vocab_size:
+    raise ConfigError(f"the tokenizer of {config.policy.path} has {text_tokenizer.vocab_size} "
+                      f"tokens but {model_config} has vocab_size={vocab_size}: the model "
+                      "cannot read all of its ids")
+  return text_tokenizer
 
 
 def run_tasks(config: ExperimentConfig, text_tokenizer: TextTokenizer, task: Task | None
