@@ -228,3 +228,16 @@ def test_a_model_folder_whose_tokenizer_outgrows_its_embeddings_is_refused(tmp_p
   config = experiment_config("dataset", [f"--policy.path={tmp_path}"])
   with pytest.raises(ConfigError, match=r"has 60 tokens but .*vocab_size=10"):
     run_data.policy_tokenizer(config)
+
+
+def test_sft_examples_are_the_templated_prompt_then_solution_and_eos():
+  from specrl_jax.rl.sft import sft_examples
+  from specrl_jax.rl.tasks import Problem
+  tok = TextTokenizer(tokenizer=builtin.builtin_tokenizer(), eos_ids=(builtin.EOS_ID,),
+                      chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}="
+                                    "{% endfor %}",
+                      special_tokens={"bos_token": "<bos>"}, pad_id=builtin.PAD_ID)
+  tokens, mask = sft_examples([Problem(prompt="1+2", solution="3", targets={})], 8, tok)
+  expected = builtin.encode("1+2=3", add_bos=True) + [builtin.EOS_ID, builtin.PAD_ID]
+  assert tokens[0].tolist() == expected
+  assert mask[0].tolist() == [False] * 5 + [True, True, False]

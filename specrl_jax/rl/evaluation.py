@@ -31,14 +31,12 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 
 def evaluate(model: Transformer, task: DatasetTask, *, k: int = 8, temperature: float = 1.0,
-             seed: int = 0, threshold: float = 1.0, max_prompts: int = 0,
-             samples_out: list | None = None) -> dict[str, float]:
+             seed: int = 0, threshold: float = 1.0, max_prompts: int = 0
+             ) -> dict[str, float]:
   """pass@1..k, the mean reward and the number of prompts of ``task``'s rows under
   ``model`` (sampled at ``temperature``, ``task.max_response_tokens`` at most).
 
   max_prompts: evaluate only the first this many usable rows (0: all).
-  samples_out: when given, (prompt, completion, reward) of each prompt's first
-  sample are appended to it.
   """
   check(isinstance(k, int) and k >= 1, "evaluate", "k", k, "a positive integer")
   tok = task.tokenizer
@@ -73,9 +71,5 @@ def evaluate(model: Transformer, task: DatasetTask, *, k: int = 8, temperature: 
   result["reward_mean"] = float(rewards.mean())
   result["num_prompts"] = count
   result["response_length_mean"] = float(lengths.mean())
-  if samples_out is not None:
-    for p in range(count):
-      samples_out.append({"prompt": task.problem(indices[p]).prompt,
-                          "completion": completions[p * k], "reward": float(rewards[p * k])})
   return result
 
