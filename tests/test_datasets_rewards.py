@@ -241,3 +241,18 @@ def test_sft_examples_are_the_templated_prompt_then_solution_and_eos():
   expected = builtin.encode("1+2=3", add_bos=True) + [builtin.EOS_ID, builtin.PAD_ID]
   assert tokens[0].tolist() == expected
   assert mask[0].tolist() == [False] * 5 + [True, True, False]
+
+
+def test_samples_go_to_the_jsonl_and_tensorboard_as_text(tmp_path):
+  import os
+
+  from specrl_jax.rl.metrics import MetricsWriter, read_jsonl
+  sample = {"prompt": "what is 2+2?", "completion": "four-ish 4", "reward": 1.0}
+  with MetricsWriter(tmp_path) as writer:
+    writer.write(0, {"reward_mean": 1.0, "samples": [sample],
+                     "data": {"epoch": 0, "rows": [3, 1]}})
+  assert read_jsonl(tmp_path / "metrics.jsonl") == [
+      {"step": 0, "reward_mean": 1.0, "samples": [sample], "data": {"epoch": 0, "rows": [3, 1]}}]
+  folder = tmp_path / "tensorboard"
+  events = b"".join((folder / name).read_bytes() for name in os.listdir(folder))
+  assert b"four-ish 4" in events and b"samples/0" in events

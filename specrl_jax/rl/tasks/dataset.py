@@ -33,7 +33,6 @@ def _arrow_folder(path: str):
                     if os.path.isdir(os.path.join(path, name)))
     raise DatasetError(f"{path} is a DatasetDict with splits {splits}: give one split's "
                        f"folder, e.g. {os.path.join(path, splits[0]) if splits else path}")
-    # (a split of it is an ordinary dataset folder)
   state_file = os.path.join(path, "state.json")
   if os.path.isfile(state_file):
     with open(state_file, encoding="utf-8") as f:
