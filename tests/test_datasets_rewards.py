@@ -256,3 +256,22 @@ def test_samples_go_to_the_jsonl_and_tensorboard_as_text(tmp_path):
   folder = tmp_path / "tensorboard"
   events = b"".join((folder / name).read_bytes() for name in os.listdir(folder))
   assert b"four-ish 4" in events and b"samples/0" in events
+
+
+def test_a_builtin_vocabulary_policy_saved_as_a_folder_trains_on_the_builtin_tasks(tmp_path):
+  from flax import nnx
+
+  import specrl_jax as sj
+  from specrl_jax.rl import train_command
+  model = sj.Transformer(sj.ModelConfig(vocab_size=builtin.VOCAB_SIZE, hidden_size=16,
+                                        intermediate_size=32, num_layers=1, num_heads=2,
+                                        num_kv_heads=1, head_dim=8), rngs=nnx.Rngs(0))
+  sj.save_hf(model, tmp_path, tokenizer=builtin.text_tokenizer())
+  config = train_command.parse_argv(["--preset=tiny", f"--policy.path={tmp_path}",
+                                     "--drafter.kind=none"])
+  session = train_command.Session(config, log=lambda message: None)
+  assert session.text_tokenizer.eos_ids == (builtin.EOS_ID,)
+  assert session.prompt_set.prompts[0] == builtin.encode(
+      session.prompt_set.problems[0].prompt, add_bos=True)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
