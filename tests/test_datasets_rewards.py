@@ -275,3 +275,14 @@ def test_a_builtin_vocabulary_policy_saved_as_a_folder_trains_on_the_builtin_tas
       session.prompt_set.problems[0].prompt, add_bos=True)
   config = json.loads((tmp_path / "config.json").read_text())
   assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+
+
+def test_a_row_without_prompt_text_is_a_clear_error():
+  rows = ROWS[:2] + [{"prompt": None, "answer": 1, "topic": "sums"}]
+  task = DatasetTask(records=tuple(rows), text_tokenizer=builtin.text_tokenizer(),
+                     reward_fn=exact_match)
+  with pytest.raises(DatasetError, match=r"row 2: column 'prompt' holds NoneType None"):
+    task.problems()
+  with pytest.raises(DatasetError, match=r"answer_field='solution' is not a column.*'topic'"):
+    DatasetTask(records=tuple(ROWS), text_tokenizer=builtin.text_tokenizer(),
+                reward_fn=exact_match, answer_field="solution")

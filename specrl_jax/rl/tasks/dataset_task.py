@@ -98,8 +98,12 @@ class DatasetTask(Task):
 
   def problem(self, index: int) -> Problem:
     row = self.records[index]
+    if not isinstance(row[self.prompt_field], str):
+      raise DatasetError(f"row {index}: column {self.prompt_field!r} holds "
+                         f"{type(row[self.prompt_field]).__name__} {row[self.prompt_field]!r}; "
+                         "expected the prompt's text")
     system = row[self.system_field] if self.system_field else self.system_prompt
-    return Problem(prompt=str(row[self.prompt_field]),
+    return Problem(prompt=row[self.prompt_field],
                    solution=str(row[self.solution_field]) if self.solution_field else "",
                    targets={"index": np.asarray(index, np.int32)},
                    system=str(system) if system else None)
