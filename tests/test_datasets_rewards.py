@@ -286,3 +286,20 @@ def test_a_row_without_prompt_text_is_a_clear_error():
   with pytest.raises(DatasetError, match=r"answer_field='solution' is not a column.*'topic'"):
     DatasetTask(records=tuple(ROWS), text_tokenizer=builtin.text_tokenizer(),
                 reward_fn=exact_match, answer_field="solution")
+
+
+def test_a_conversational_prompt_column_is_rendered_as_its_messages():
+  tok = TextTokenizer(tokenizer=builtin.builtin_tokenizer(), eos_ids=(builtin.EOS_ID,),
+                      chat_template="{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};"
+                                    "{% endfor %}{% if add_generation_prompt %}a:{% endif %}",
+                      pad_id=builtin.PAD_ID)
+  conversation = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+                  {"role": "user", "content": "2+2"}]
+  seen = []
+  task = DatasetTask(records=({"prompt": conversation, "answer": 4},), text_tokenizer=tok,
+                     reward_fn=lambda prompt, completion, answer: seen.append(prompt) or 1.0,
+                     system_prompt="be brief")
+  problem = task.problem(0)
+  assert problem.prompt == "2+2"
+  assert problem.prompt_ids(tok) == builtin.encode("s:be brief;u:1+1;a:2;u:2+2;a:")
+  assert task.score("4", {"index": 0}) == 1.0 and seen == [conversation]

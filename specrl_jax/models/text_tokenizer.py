@@ -247,10 +247,13 @@ class TextTokenizer:
 
   def encode_prompt(self, prompt: str, *, system: str | None = None) -> list[int]:
     """The prompt's ids as the policy sees them (template, or plain text + bos)."""
+    return self.encode_messages(self.messages(prompt, system))
+
+  def encode_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """A conversation's ids before the assistant's turn (template, or plain text + bos)."""
     if self.chat_template is not None:
-      return self.encode(self.render_prompt(self.messages(prompt, system)))
-    ids = self.encode(self.render_prompt(self.messages(prompt, system)),
-                      add_special_tokens=True)
+      return self.encode(self.render_prompt(messages))
+    ids = self.encode(self.render_prompt(messages), add_special_tokens=True)
     if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
       ids = [self.bos_id, *ids]
     return ids

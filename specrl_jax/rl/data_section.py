@@ -19,7 +19,8 @@ from specrl_jax.rl.tasks.rewards import resolve_reward
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection:
   """path: a .jsonl / .parquet file or a save_to_disk folder ("" = train on
-  ``task`` instead); prompt_field / answer_field: its columns; system_field: a column
+  ``task`` instead); prompt_field / answer_field: its columns (a prompt is text, or a
+  list of {"role", "content"} chat messages: the conversational format); system_field: a column
   of system prompts, else system_prompt for every row ("" = none); solution_field: a
   column of worked solutions for the SFT warm start ("" = none: SFT is refused).
   eval_path: held-out rows in a separate file, else eval_fraction of path's rows

@@ -78,7 +78,7 @@ def sft_examples(problems: Sequence[Problem], length: int,
   tokens = np.full((len(problems), length), text_tokenizer.padding_id, np.int32)
   mask = np.zeros((len(problems), length), bool)
   for row, problem in enumerate(problems):
-    prompt = text_tokenizer.encode_prompt(problem.prompt, system=problem.system)
+    prompt = problem.prompt_ids(text_tokenizer)
     answer = text_tokenizer.encode(problem.solution) + [text_tokenizer.eos_ids[0]]
     ids = prompt + answer
     if len(ids) > length:

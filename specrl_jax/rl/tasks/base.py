@@ -35,12 +35,21 @@ class NoValidPromptsError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Problem:
   """One problem: the prompt text, a worked solution (SFT target, no EOS), the
-  per-problem arrays the reward reads (same keys and shapes for every problem) and an
-  optional system prompt (rendered by the tokenizer's chat template)."""
+  per-problem arrays the reward reads (same keys and shapes for every problem), an
+  optional system prompt, or instead the whole conversation before the answer as chat
+  messages (rendered by the tokenizer's chat template)."""
   prompt: str
   solution: str
   targets: Mapping[str, np.ndarray]
   system: str | None = None
+  messages: tuple[Mapping[str, str], ...] | None = None
+
+  def prompt_ids(self, text_tokenizer: TextTokenizer) -> list[int]:
+    """The prompt as the policy reads it: ``messages`` when given (a conversation,
+    system message included), else ``prompt`` as the user's turn after ``system``."""
+    if self.messages is not None:
+      return text_tokenizer.encode_messages(self.messages)
+    return text_tokenizer.encode_prompt(self.prompt, system=self.system)
 
 
 class Task(abc.ABC):
@@ -100,7 +109,8 @@ def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:
 class PromptSet:
   """P problems encoded with a tokenizer (its chat template, or BOS + prompt text).
 
-  tokens_PxT: int32 prompts right-padded with the tokenizer's pad id to T (a multiple of the bucket);
+  tokens_PxT: int32 prompts right-padded with the tokenizer's pad id to T (a multiple
+  of the bucket);
   lengths_P: int32; targets: the reward's arrays, each [P, ...]; problems: the source.
   """
   problems: tuple[Problem, ...]
@@ -160,7 +170,7 @@ def encode_problems(problems: Sequence[Problem], *, max_prompt_tokens: int,
   kept, encoded, reasons = [], [], []
   for index, problem in enumerate(problems):
     try:
-      ids = text_tokenizer.encode_prompt(problem.prompt, system=problem.system)
+      ids = problem.prompt_ids(text_tokenizer)
     except UnknownTextError as error:
       reasons.append(f"problem {index}: {error}")
       continue

@@ -28,6 +28,12 @@ class NonFiniteRewardError(ValueError):
   """A reward function returned NaN or an infinity."""
 
 
+def _is_conversation(value) -> bool:
+  return (isinstance(value, list) and len(value) > 0
+          and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                  and isinstance(m.get("content"), str) for m in value))
+
+
 # Scored samples kept for the run's log (the metrics JSONL and TensorBoard text).
 SAMPLES_KEPT = 4
 
@@ -98,15 +104,24 @@ class DatasetTask(Task):
 
   def problem(self, index: int) -> Problem:
     row = self.records[index]
-    if not isinstance(row[self.prompt_field], str):
-      raise DatasetError(f"row {index}: column {self.prompt_field!r} holds "
-                         f"{type(row[self.prompt_field]).__name__} {row[self.prompt_field]!r}; "
-                         "expected the prompt's text")
+    value = row[self.prompt_field]
     system = row[self.system_field] if self.system_field else self.system_prompt
-    return Problem(prompt=row[self.prompt_field],
+    system = str(system) if system else None
+    messages = None
+    if _is_conversation(value):  # the conversational format: chat messages
+      has_system = any(m["role"] == "system" for m in value)
+      messages = tuple(([] if has_system or system is None
+                        else [{"role": "system", "content": system}])
+                       + [{"role": m["role"], "content": m["content"]} for m in value])
+      value = value[-1]["content"]
+    elif not isinstance(value, str):
+      raise DatasetError(f"row {index}: column {self.prompt_field!r} holds "
+                         f"{type(value).__name__} {value!r}; expected the prompt's text or a "
+                         "list of chat messages ({'role': ..., 'content': ...})")
+    return Problem(prompt=value,
                    solution=str(row[self.solution_field]) if self.solution_field else "",
-                   targets={"index": np.asarray(index, np.int32)},
-                   system=str(system) if system else None)
+                   targets={"index": np.asarray(index, np.int32)}, system=system,
+                   messages=messages)
 
   def problems(self) -> list[Problem]:
     return [self.problem(i) for i in range(len(self.records))]
@@ -123,12 +138,13 @@ class DatasetTask(Task):
     """The reward of ``completion`` to the row ``targets["index"]``."""
     row = self.records[int(targets["index"])]
     fields = {k: v for k, v in row.items() if k not in (self.prompt_field, self.answer_field)}
-    prompt = str(row[self.prompt_field])
+    prompt = row[self.prompt_field]  # as the dataset has it: text or chat messages
     value = float(self.reward_fn(prompt, completion, row[self.answer_field],
                                  **self._keywords(fields)))
     if not math.isfinite(value):
       raise NonFiniteRewardError(f"returned {value}: rewards must be finite numbers")
-    self._recent.append({"prompt": prompt, "completion": completion, "reward": float(value)})
+    self._recent.append({"prompt": prompt if isinstance(prompt, str) else prompt[-1]["content"],
+                         "completion": completion, "reward": value})
     return value
 
   def take_samples(self) -> list[dict[str, Any]]:

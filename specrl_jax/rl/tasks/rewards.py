@@ -1,7 +1,8 @@
 """Reward functions over text, and how ``--reward=`` names one.
 
 A reward is ``reward(prompt: str, completion: str, answer, **fields) -> float``:
-the dataset row's prompt, the policy's decoded completion (up to its stop token),
+the dataset row's prompt (its chat messages, for a conversational prompt column),
+the policy's decoded completion (up to its stop token),
 the row's answer, and the row's other columns as keyword arguments (a function
 without ``**fields`` receives only the columns it names).
 
