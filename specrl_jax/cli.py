@@ -12,6 +12,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("specrl_jax.rl.train_command",
               "GRPO training: warm start, sync/async RL, metrics, checkpoints, plots, "
               "one or many processes"),
+    "eval": ("specrl_jax.rl.eval_command",
+             "pass@1..k and mean reward of a run's policy (or a HF model) on held-out prompts"),
     "simulate": ("specrl_jax.sim.command",
                  "roofline simulation of an RL step, plain vs speculative rollouts"),
 }

@@ -120,7 +120,8 @@ def test_prompt_sets_drop_unusable_prompts_and_fail_when_none_is_left():
   assert prompt_set.tokens_PxT.shape == (1, 16)
   with pytest.raises(tasks.NoValidPromptsError, match="max_prompt_tokens=16"):
     tasks.encode_problems([too_long], max_prompt_tokens=16)
-  with pytest.raises(tasks.NoValidPromptsError, match="not in the built-in vocabulary"):
+  with pytest.raises(tasks.NoValidPromptsError,
+                     match="has no token in the tokenizer of the built-in vocabulary"):
     tasks.encode_problems([bad_char], max_prompt_tokens=16)
 
 

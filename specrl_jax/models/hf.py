@@ -31,6 +31,7 @@ from specrl_jax.models.hf_files import (  # noqa: F401
     TOKENIZER_FILE, HFFormatError, read_json, read_tensors, refuse, tensor_infos,
     weights_dtype)
 from specrl_jax.models.hf_layout import LAYOUTS, Layout, hf_name_and_layout  # noqa: F401
+from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.models.transformer import Transformer
 
 # Token strings given the pad / bos / eos roles when a tokenizer is saved with a model
@@ -156,7 +157,7 @@ def _remove_old_weights(path: str) -> None:
 
 
 def save_hf(model: Transformer, path: str | os.PathLike, *,
-            tokenizer: tokenizers.Tokenizer | None = None,
+            tokenizer: tokenizers.Tokenizer | TextTokenizer | None = None,
             max_shard_bytes: int = 4 * 2**30) -> None:
   """Writes ``model`` as a Hugging Face folder that AutoModelForCausalLM loads.
 
@@ -164,7 +165,8 @@ def save_hf(model: Transformer, path: str | os.PathLike, *,
   else Llama). Weights larger than ``max_shard_bytes`` are split into shards listed
   in model.safetensors.index.json. With ``tokenizer``, tokenizer.json and a
   tokenizer_config.json are written too, and "<pad>"/"<bos>"/"<eos>" tokens, when the
-  vocabulary has them, become the pad/bos/eos ids of config.json.
+  vocabulary has them, become the pad/bos/eos ids of config.json; a ``TextTokenizer``
+  writes its own roles, chat template and generation_config.json eos ids.
   """
   if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
     raise ConfigError(f"save_hf.max_shard_bytes={max_shard_bytes!r} is invalid: "
@@ -203,7 +205,12 @@ def save_hf(model: Transformer, path: str | os.PathLike, *,
     with open(os.path.join(path, INDEX_FILE), "w") as f:
       json.dump(index, f, indent=2)
 
-  if tokenizer is not None:
+  if isinstance(tokenizer, TextTokenizer):  # its own roles, chat template and eos ids
+    tokenizer.save(path)
+    hf_config.update({"eos_token_id": tokenizer.eos_ids[0],
+                      **{f"{role}_token_id": i for role, i in
+                         (("bos", tokenizer.bos_id), ("pad", tokenizer.pad_id)) if i is not None}})
+  elif tokenizer is not None:
     special = _special_token_ids(tokenizer)
     hf_config.update({f"{role}_token_id": i for role, i in special.items()})
     tokenizer.save(os.path.join(path, TOKENIZER_FILE))

@@ -4,7 +4,9 @@ Arithmetic with worked steps and countdown games need only digits, operators, lo
 case words and a little punctuation, so one token per character keeps the vocabulary
 under 64 and every sequence trivially inspectable. It is a real ``tokenizers.Tokenizer``
 (a merge-free BPE over single characters), so it saves as tokenizer.json next to a
-model and Hugging Face loads it like any other.
+model and Hugging Face loads it like any other. ``text_tokenizer()`` is the same
+vocabulary as the ``TextTokenizer`` RL uses for every model: pad/bos/eos roles, BOS
+before plain-text prompts, no chat template.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import functools
 from collections.abc import Iterable
 
 import tokenizers
-from tokenizers import decoders, models
+from tokenizers import decoders, models, processors
+
+from specrl_jax.models.text_tokenizer import TextTokenizer
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -44,6 +48,20 @@ def _tokenizer() -> tokenizers.Tokenizer:
 def builtin_tokenizer() -> tokenizers.Tokenizer:
   """A fresh copy of the built-in tokenizer (safe to mutate, e.g. enable padding)."""
   return tokenizers.Tokenizer.from_str(_tokenizer().to_str())
+
+
+@functools.cache
+def text_tokenizer() -> TextTokenizer:
+  """The built-in vocabulary as a ``TextTokenizer`` (one shared object: tasks holding
+  it compare equal, so compiled steps are reused). Saved with ``.save(path)`` it is an
+  ordinary Hugging Face tokenizer folder whose encode adds BOS, as ours does."""
+  tokenizer = builtin_tokenizer()
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)])
+  return TextTokenizer(tokenizer=tokenizer,
+                       special_tokens={"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+                       bos_id=BOS_ID, eos_ids=(EOS_ID,), pad_id=PAD_ID, add_bos=True,
+                       source="the built-in vocabulary")
 
 
 def encode(text: str, *, add_bos: bool = False) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, check, is_finite_number
 from specrl_jax.models import tokenizer
+from specrl_jax.rl.data_section import DataSection
 from specrl_jax.rl.learner import LearnerConfig
 from specrl_jax.rl.losses import GRPOConfig
 from specrl_jax.rl.rollout import RolloutConfig
@@ -40,7 +41,10 @@ def _number(owner, name, value, ok, allowed):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
-  """A built-in-vocabulary decoder (the policy, or a draft model)."""
+  """A decoder (the policy, or a draft model): a Hugging Face folder at ``path``
+  (its own tokenizer drives prompts, stop tokens and decoding), else ("") a fresh
+  model of these sizes over the built-in vocabulary."""
+  path: str = ""
   hidden_size: int = 192
   intermediate_size: int = 512
   num_layers: int = 3
@@ -51,10 +55,12 @@ class ModelSection:
 
   def __post_init__(self):
     _non_negative("ModelSection", "seed", self.seed)
+    check(isinstance(self.path, str), "ModelSection", "path", self.path,
+          "a path to a Hugging Face model folder, or '' for a fresh built-in-vocabulary model")
     self.model_config()  # its own checks name the bad size
 
-  def model_config(self) -> ModelConfig:
-    return ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=self.hidden_size,
+  def model_config(self, vocab_size: int = tokenizer.VOCAB_SIZE) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, hidden_size=self.hidden_size,
                        intermediate_size=self.intermediate_size, num_layers=self.num_layers,
                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                        head_dim=self.head_dim, max_position_embeddings=512)
@@ -216,9 +222,11 @@ class RLSection:
                          warmup_steps=self.warmup_steps, max_grad_norm=1.0,
                          loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
 
-  def rollout(self, max_new_tokens: int) -> RolloutConfig:
+  def rollout(self, max_new_tokens: int,
+              stop_token_ids: tuple[int, ...] = (tokenizer.EOS_ID,)) -> RolloutConfig:
+    """stop_token_ids: the policy tokenizer's eos ids (default the built-in EOS)."""
     sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,
-                              stop_token_ids=(tokenizer.EOS_ID,))
+                              stop_token_ids=tuple(stop_token_ids))
     return RolloutConfig(group_size=self.group_size, prompts_per_step=self.prompts_per_step,
                          sampling=sampling)
 
@@ -260,6 +268,7 @@ class ExperimentConfig:
   policy: ModelSection = ModelSection()
   drafter: DrafterSection = DrafterSection()
   task: TaskSection = TaskSection()
+  data: DataSection = DataSection()
   warm_start: WarmStartSection = WarmStartSection()
   rl: RLSection = RLSection()
   output: OutputSection = OutputSection()
@@ -284,6 +293,14 @@ PRESETS: dict[str, ExperimentConfig] = {
         rl=RLSection(steps=4, group_size=4, prompts_per_step=4, num_slots=0,
                      learning_rate=1e-3, warmup_steps=0),
         output=OutputSection(directory="runs/tiny", checkpoint_every=2, plots=False)),
+    # `specrl train --model=PATH --dataset=PATH`: a pretrained policy on a dataset, no
+    # warm start, n-gram drafts (a draft model would have to be distilled first).
+    "dataset": ExperimentConfig(
+        drafter=DrafterSection(kind="ngram"),
+        warm_start=WarmStartSection(sft_steps=0, distill_steps=0),
+        rl=RLSection(steps=100, group_size=8, prompts_per_step=8, num_slots=0,
+                     learning_rate=1e-6, warmup_steps=10),
+        output=OutputSection(directory="runs/dataset")),
 }
 
 
@@ -348,3 +365,16 @@ def experiment_config(preset: str = "demo", overrides: Sequence[str] = ()) -> Ex
 
 def to_dict(config: ExperimentConfig) -> dict[str, Any]:
   return dataclasses.asdict(config)
+
+
+def from_dict(record: dict[str, Any]) -> ExperimentConfig:
+  """The config ``to_dict`` wrote (e.g. a run's config.json; lists become tuples);
+  sections or fields it lacks take their defaults."""
+  sections = {}
+  for field in dataclasses.fields(ExperimentConfig):
+    section = type(getattr(ExperimentConfig(), field.name))
+    known = {f.name for f in dataclasses.fields(section)}
+    values = {name: tuple(value) if isinstance(value, list) else value
+              for name, value in record.get(field.name, {}).items() if name in known}
+    sections[field.name] = section(**values)
+  return ExperimentConfig(**sections)

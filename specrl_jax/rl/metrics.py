@@ -22,7 +22,8 @@ def flatten(metrics: Mapping[str, Any]) -> dict[str, float]:
   """Scalars as they are, vectors as name/0, name/1, ... (bools as 0/1)."""
   flat = {}
   for name, value in metrics.items():
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and all(isinstance(i, (bool, int, float))
+                                                for i in value):
       for index, item in enumerate(value):
         flat[f"{name}/{index}"] = float(item)
     elif isinstance(value, (bool, int, float)):
@@ -62,6 +63,9 @@ class MetricsWriter:
       for name, value in flatten(metrics).items():
         if math.isfinite(value):
           self._tensorboard.add_scalar(name, value, step)
+      for index, sample in enumerate(metrics.get("samples", ())):
+        self._tensorboard.add_text(f"samples/{index}", json.dumps(sample, ensure_ascii=False),
+                                   step)
 
   def close(self) -> None:
     self._file.close()
@@ -169,7 +173,11 @@ def summarize(records: list[dict[str, Any]], plots: Sequence[str]) -> dict[str, 
   quarter = max(1, len(records) // 4)
   mean = lambda rs, key: float(np.mean([r[key] for r in rs]))
   timed = records[1:] or records  # the first step includes compilation
+  evaluated = [r for r in records if "eval_pass@1" in r]
+  last_eval = ({"eval": {k: v for k, v in evaluated[-1].items() if k.startswith("eval_")}}
+               if evaluated else {})
   return {
+      **last_eval,
       "steps": len(records),
       "reward_first_quarter": mean(records[:quarter], "reward_mean"),
       "reward_last_quarter": mean(records[-quarter:], "reward_mean"),

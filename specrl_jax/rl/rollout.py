@@ -22,7 +22,6 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from specrl_jax.config import SamplingParams, SpecConfig, check, check_positive_int
-from specrl_jax.models import tokenizer
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
 from specrl_jax.rl.learner import Batch, check_warp
@@ -80,7 +79,8 @@ class RolloutConfig:
 def build_rows(prompt_tokens_RxT: Array, prompt_lengths_R: Array, response_RxL: Array,
                response_lengths_R: Array, response_log_probs_RxL: Array
                ) -> tuple[Array, Array, Array]:
-  """The learner's rows: prompt then response, right-padded with PAD.
+  """The learner's rows: prompt then response, right-padded with token 0 (any id
+  would do: padded positions come after the row's tokens and are masked out).
 
   Returns (tokens int32 [R, T + L], response mask [R, T + L], rollout log-probs
   aligned with the tokens [R, T + L]).
@@ -94,7 +94,7 @@ def build_rows(prompt_tokens_RxT: Array, prompt_lengths_R: Array, response_RxL: 
   prompt_tokens = jnp.pad(prompt_tokens_RxT, ((0, 0), (0, response_width)))
   in_prompt_RxS = position_S[None, :] < prompt_lengths_R[:, None]
   tokens = jnp.where(in_response_RxS, response_tokens,
-                     jnp.where(in_prompt_RxS, prompt_tokens, tokenizer.PAD_ID))
+                     jnp.where(in_prompt_RxS, prompt_tokens, 0))
   log_probs = jnp.where(in_response_RxS,
                         jnp.take_along_axis(response_log_probs_RxL, read_RxS, axis=1), 0.0)
   return tokens.astype(jnp.int32), in_response_RxS, log_probs

@@ -27,7 +27,8 @@ WARM_START_KEY = "key.json"
 # What a resumed run may change: how long it runs, where it runs (checkpoints restore
 # onto any mesh), and what it writes. Anything else would continue one experiment's
 # state under another's settings.
-RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices", "output.")
+RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices", "output.",
+             "data.eval_every", "data.eval_k", "data.eval_max_prompts")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -42,9 +43,11 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def differences(old: Mapping[str, Any], new: Mapping[str, Any],
-                ignore: tuple[str, ...] = ()) -> list[str]:
-  """"field: old -> new" for every field that differs (and is not under ``ignore``)."""
-  old, new = flatten(old), flatten(new)
+                ignore: tuple[str, ...] = (), defaults: Mapping[str, Any] | None = None
+                ) -> list[str]:
+  """"field: old -> new" for every field that differs (and is not under ``ignore``);
+  a field ``old`` lacks (recorded before it existed) reads as its value in ``defaults``."""
+  old, new = {**flatten(defaults or {}), **flatten(old)}, flatten(new)
   lines = []
   for name in sorted(set(old) | set(new)):
     if any(name == i or (i.endswith(".") and name.startswith(i)) for i in ignore):
@@ -75,15 +78,17 @@ def read_json(path: str) -> dict[str, Any] | None:
 
 
 def check_resumable(directory: str, checkpoint_steps: list[int],
-                    config: Mapping[str, Any]) -> None:
+                    config: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+                    ) -> None:
   """Raises ConfigError, touching nothing, if ``config`` may not continue the
-  checkpoints of the run in ``directory`` (``checkpoint_steps``: those present)."""
+  checkpoints of the run in ``directory`` (``checkpoint_steps``: those present);
+  ``defaults``: the values of fields newer than the recorded config."""
   if not checkpoint_steps:
     return
   recorded = read_json(os.path.join(directory, CONFIG))
   if recorded is None:
     return  # an older run without a record: restoring checks the state's shapes
-  changed = differences(recorded, config, ignore=RESUMABLE)
+  changed = differences(recorded, config, ignore=RESUMABLE, defaults=defaults)
   if changed:
     raise ConfigError(
         f"the run in {directory} has checkpoints (steps {checkpoint_steps}) made with "
@@ -98,6 +103,8 @@ def warm_start_key(config: Mapping[str, Any]) -> dict[str, Any]:
   drafter = dict(config["drafter"])
   key = {"policy": config["policy"], "task": config["task"],
          "warm_start": config["warm_start"], "drafter_kind": drafter["kind"]}
+  if config.get("data", {}).get("path"):  # SFT reads the dataset's solutions
+    key["data"] = config["data"]
   if drafter["kind"] == "draft_model":
     key["draft_model"] = {name: drafter[name] for name in (
         "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

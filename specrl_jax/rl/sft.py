@@ -21,6 +21,7 @@ from flax import nnx
 
 from specrl_jax.config import check, is_finite_number
 from specrl_jax.models import tokenizer
+from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.rl.tasks.base import Problem, Task
 
@@ -68,14 +69,17 @@ def with_digit_noise(problem: Problem, rng: np.random.Generator) -> Problem:
                              solution=problem.solution[:at] + digit + problem.solution[at + 1:])
 
 
-def sft_examples(problems: Sequence[Problem], length: int) -> tuple[np.ndarray, np.ndarray]:
-  """(tokens int32 [N, length], loss mask [N, length]): BOS + prompt + solution + EOS,
-  right-padded; the mask marks the tokens to predict (solution and EOS)."""
-  tokens = np.full((len(problems), length), tokenizer.PAD_ID, np.int32)
+def sft_examples(problems: Sequence[Problem], length: int,
+                 text_tokenizer: TextTokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens int32 [N, length], loss mask [N, length]): the encoded prompt (chat
+  template, or BOS + text), then solution + EOS, right-padded; the mask marks the
+  tokens to predict (solution and EOS). text_tokenizer: default the built-in one."""
+  text_tokenizer = text_tokenizer or tokenizer.text_tokenizer()
+  tokens = np.full((len(problems), length), text_tokenizer.padding_id, np.int32)
   mask = np.zeros((len(problems), length), bool)
   for row, problem in enumerate(problems):
-    prompt = tokenizer.encode(problem.prompt, add_bos=True)
-    answer = tokenizer.encode(problem.solution) + [tokenizer.EOS_ID]
+    prompt = problem.prompt_ids(text_tokenizer)
+    answer = text_tokenizer.encode(problem.solution) + [text_tokenizer.eos_ids[0]]
     ids = prompt + answer
     if len(ids) > length:
       raise ValueError(f"problem {problem.prompt!r} needs {len(ids)} tokens > length {length}")
@@ -145,7 +149,7 @@ def train_sft(model: Transformer, task: Task, config: SFTConfig, *,
   for step in range(config.steps):
     problems = [task.sample(rng) for _ in range(config.batch_size)]
     problems = [with_digit_noise(p, rng) if rng.random() < config.noise else p for p in problems]
-    tokens, mask = sft_examples(problems, length)
+    tokens, mask = sft_examples(problems, length, task.tokenizer)
     params, opt_state, loss = update(params, opt_state, teacher_params, tokens, mask)
     losses.append(loss)
     if log_every and (step + 1) % log_every == 0:

@@ -1,7 +1,8 @@
 """`specrl train`: warm start, then GRPO (sync or async) with metrics, checkpoints,
 resume and plots.
 
-    specrl train [--preset=demo|tiny] [--section.field=value ...]
+    specrl train [--preset=demo|tiny|dataset] [--section.field=value ...]
+    specrl train --model=HF_FOLDER --dataset=FILE --reward=module:function [...]
                  [--coordinator HOST:PORT --num-processes N --process-id I | --distributed]
                  [--init-timeout SECONDS] [--heartbeat-timeout SECONDS]
                  [--shutdown-timeout SECONDS]
@@ -40,9 +41,9 @@ from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.distributed import DistributedError
 from specrl_jax.parallel.launch import DISTRIBUTED_FLAGS, parse_distributed_argv  # noqa: F401
-from specrl_jax.rl import numerics, run_directory
+from specrl_jax.rl import numerics, run_data, run_directory
 from specrl_jax.rl.async_pipeline import AsyncPipeline, StalePolicyError
-from specrl_jax.rl.experiment import ExperimentConfig, PRESETS, experiment_config, to_dict
+from specrl_jax.rl.experiment import ExperimentConfig, PRESETS, to_dict
 from specrl_jax.rl.guards import CollapseDetector, TrainingDivergedError, check_step
 from specrl_jax.rl.learner import TrainState, abstract_train_state, init_train_state
 from specrl_jax.rl.metrics import MetricsWriter, plot_run, read_jsonl, summarize, with_rates
@@ -50,6 +51,7 @@ from specrl_jax.rl.meshes import check_layout, checkpoint_mesh, run_meshes
 from specrl_jax.rl.online_drafters import OnlineDrafter, online_drafter
 from specrl_jax.rl.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
+from specrl_jax.rl.train_argv import parse_argv
 from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
 from specrl_jax.sampling.results import PagePoolExhaustedError
 
@@ -63,12 +65,15 @@ class Session:
                log: Callable[[str], None] = print):
     self.config = config
     self.log = log
-    self.task = task if task is not None else config.task.make()
+    # The policy's own tokenizer drives prompts, stop tokens and decoding.
+    self.text_tokenizer = run_data.policy_tokenizer(config)
+    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task)
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
     self.learner = config.rl.learner()
-    self.rollout_config = config.rl.rollout(self.task.max_response_tokens)
+    self.rollout_config = config.rl.rollout(self.task.max_response_tokens,
+                                            self.text_tokenizer.eos_ids)
     self.engine = config.rl.engine()
     self.spec = SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
     self.timings: dict[str, float] = {}
@@ -104,7 +109,8 @@ class Session:
     """Refuses, before anything is touched, a config that may not continue the
     checkpoints already in the directory (see ``run_directory.RESUMABLE``)."""
     if self.config.output.resume:
-      run_directory.check_resumable(self.directory, self.checkpoint_steps(), self.record)
+      run_directory.check_resumable(self.directory, self.checkpoint_steps(), self.record,
+                                    defaults=to_dict(ExperimentConfig()))
 
   def check(self) -> None:
     """Raises ConfigError now for what would otherwise fail after the warm start."""
@@ -112,6 +118,7 @@ class Session:
       raise ConfigError(f"OutputSection.directory={self.directory!r} is invalid: expected a "
                         "directory (or a path to create one at), not a file.")
     check_layout(self.config.rl, *self.meshes())
+    run_data.check_data(self.config)
     self.check_resumable()
 
   def _fresh_models(self) -> Models:
@@ -145,9 +152,13 @@ class Session:
 
   def step_prompts(self, step: int, rows: slice = slice(None)):
     """The prompts of RL step ``step``; ``rows``: only these of them (a process's)."""
+    return self.prompt_set.take(self.step_indices(step)[rows])
+
+  def step_indices(self, step: int):
+    """Indices into the prompt set of step ``step``'s prompts: a pure function of
+    the step, so a resumed run continues the data order where it stopped."""
     rl = self.config.rl
-    indices = step_indices(len(self.prompt_set), step, rl.prompts_per_step, rl.seed)
-    return self.prompt_set.take(indices[rows])
+    return step_indices(len(self.prompt_set), step, rl.prompts_per_step, rl.seed)
 
   def step_rng(self, step: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(self.config.rl.seed), step)
@@ -292,6 +303,9 @@ class Session:
           self.log(f"warning: step {step}: zero gradient norm and constant reward "
                    f"{metrics['reward_mean']} for {collapse.run} steps: the run has no "
                    "learning signal left (collapsed, or every sample scores the same)")
+        metrics.update(run_data.step_records(config, self.task, self.eval_task,
+                                             self.prompt_set, self.step_indices(step), step,
+                                             graphdef, state))
         if writer is not None:
           writer.write(step, metrics)
         self._check(step, metrics, last_saved, state)
@@ -344,20 +358,6 @@ class Session:
             "no checkpoint had been written yet")
     check_step(step, metrics, kept=kept,
                leaf_name_of=lambda index: numerics.leaf_name(state, index))
-
-
-def parse_argv(argv: Sequence[str]) -> ExperimentConfig:
-  preset, overrides = "demo", []
-  for arg in argv:
-    if arg.startswith("--preset="):
-      preset = arg.split("=", 1)[1]
-    else:
-      overrides.append(arg)
-  config = experiment_config(preset, overrides)
-  if preset != "demo" or any(a.startswith("--output.directory=") for a in overrides):
-    return config
-  return dataclasses.replace(config, output=dataclasses.replace(config.output,
-                                                                directory="runs/train"))
 
 
 def _quiet(message: str) -> None:

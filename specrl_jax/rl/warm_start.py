@@ -22,6 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
+from specrl_jax.models.hf import load_hf
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.parallel import distributed
 from specrl_jax.rl import run_directory, sft
@@ -37,11 +38,17 @@ class Models:
 
 
 def fresh_models(config: ExperimentConfig) -> Models:
-  policy = Transformer(config.policy.model_config(), rngs=nnx.Rngs(config.policy.seed))
+  """The policy (the Hugging Face folder ``policy.path``, else a fresh model) and a
+  fresh draft model over the policy's vocabulary, before any warm start."""
+  if config.policy.path:
+    policy = load_hf(config.policy.path)
+  else:
+    policy = Transformer(config.policy.model_config(), rngs=nnx.Rngs(config.policy.seed))
   draft = None
   if config.drafter.kind == "draft_model":
     model = config.drafter.model
-    draft = Transformer(model.model_config(), rngs=nnx.Rngs(model.seed))
+    draft = Transformer(model.model_config(vocab_size=policy.config.vocab_size),
+                        rngs=nnx.Rngs(model.seed))
   return Models(policy=policy, draft=draft)
 
 
@@ -87,6 +94,9 @@ def warm_start(config: ExperimentConfig, record: dict[str, Any], task: Task, *,
   """The warm-started models of ``config`` (``record``: the config as JSON data),
   loaded from the cache when it was made with the same configuration."""
   models = fresh_models(config)
+  c = config.warm_start
+  if not c.sft_steps and not (models.draft is not None and c.distill_steps):
+    return models  # nothing to train, so nothing to cache (the policy is its folder's)
   folder = os.path.abspath(os.path.join(config.output.directory, "warm_start"))
   key = run_directory.warm_start_key(record)
   names = ["policy"] + (["draft"] if models.draft is not None else [])

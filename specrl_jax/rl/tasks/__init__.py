@@ -11,10 +11,13 @@ from specrl_jax.rl.tasks.base import (
     make_prompt_set, matches_after_marker, step_indices,
 )
 from specrl_jax.rl.tasks.countdown import Countdown, parse_lines
+from specrl_jax.rl.tasks.dataset import DatasetError, read_records, split_records
+from specrl_jax.rl.tasks.dataset_task import DatasetTask
 from specrl_jax.rl.tasks.python_reward import (
     PythonRewardTask, RewardFunctionError, arithmetic_answer_checker, decode_answer,
     python_reward, raise_pending_errors,
 )
+from specrl_jax.rl.tasks.rewards import BUILTIN as BUILTIN_REWARDS, resolve_reward
 
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": Arithmetic,
@@ -35,9 +38,11 @@ def make_task(name: str, **options) -> Task:
 
 
 __all__ = [
-    "Arithmetic", "Countdown", "NoValidPromptsError", "Problem", "PromptBatch", "PromptSet",
+    "Arithmetic", "BUILTIN_REWARDS", "Countdown", "DatasetError", "DatasetTask",
+    "NoValidPromptsError", "Problem", "PromptBatch", "PromptSet",
     "PythonRewardTask", "RewardFn", "RewardFunctionError", "TASKS", "Task",
     "arithmetic_answer_checker", "decode_answer", "encode_problems", "make_prompt_set",
     "make_task", "matches_after_marker", "parse_lines", "python_reward",
-    "raise_pending_errors", "register_task", "step_indices", "worked_sum",
+    "raise_pending_errors", "read_records", "register_task", "resolve_reward",
+    "split_records", "step_indices", "worked_sum",
 ]

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specrl_jax.config import check
+from specrl_jax.config import ConfigError, check
 from specrl_jax.models import tokenizer
+from specrl_jax.models.text_tokenizer import TextTokenizer, UnknownTextError
 
 Array = jax.Array
 # (targets: dict of [R, ...] arrays, response tokens int32 [R, L] with -1 after the end,
@@ -33,11 +34,22 @@ class NoValidPromptsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One problem: the prompt text, a worked solution (SFT target, no EOS) and the
-  per-problem arrays the reward reads (same keys and shapes for every problem)."""
+  """One problem: the prompt text, a worked solution (SFT target, no EOS), the
+  per-problem arrays the reward reads (same keys and shapes for every problem), an
+  optional system prompt, or instead the whole conversation before the answer as chat
+  messages (rendered by the tokenizer's chat template)."""
   prompt: str
   solution: str
   targets: Mapping[str, np.ndarray]
+  system: str | None = None
+  messages: tuple[Mapping[str, str], ...] | None = None
+
+  def prompt_ids(self, text_tokenizer: TextTokenizer) -> list[int]:
+    """The prompt as the policy reads it: ``messages`` when given (a conversation,
+    system message included), else ``prompt`` as the user's turn after ``system``."""
+    if self.messages is not None:
+      return text_tokenizer.encode_messages(self.messages)
+    return text_tokenizer.encode_prompt(self.prompt, system=self.system)
 
 
 class Task(abc.ABC):
@@ -67,12 +79,38 @@ class Task(abc.ABC):
   def reward(self, targets: Mapping[str, Array], tokens_RxL: Array, lengths_R: Array) -> Array:
     """Jittable float32 rewards [R] of responses against their problems' targets."""
 
+  def prompt_problems(self, size: int, rng: np.random.Generator) -> list[Problem]:
+    """The problems of a prompt set: ``size`` samples (a dataset gives its rows)."""
+    return [self.sample(rng) for _ in range(size)]
+
+  @property
+  def tokenizer(self) -> TextTokenizer:
+    """The tokenizer prompts, solutions and responses are encoded with."""
+    return tokenizer.text_tokenizer()
+
+  def check_tokenizer(self, policy_tokenizer: TextTokenizer) -> None:
+    """Raises ConfigError if the task cannot be trained with ``policy_tokenizer``."""
+    if not same_vocabulary(policy_tokenizer, self.tokenizer):
+      raise ConfigError(
+          f"task {self.name!r} encodes with {self.tokenizer.source} ({self.tokenizer.vocab_size} "
+          f"tokens) but the policy's tokenizer is {policy_tokenizer.source} "
+          f"({policy_tokenizer.vocab_size} tokens); its reward reads token ids of its own "
+          "vocabulary. Use a dataset task (--dataset=... --reward=...) with this model, or a "
+          "built-in-vocabulary policy.")
+
+
+def same_vocabulary(a: TextTokenizer, b: TextTokenizer) -> bool:
+  """The two map the same strings to the same ids and stop at the same tokens."""
+  return a is b or (a.tokenizer.get_vocab(with_added_tokens=True)
+                    == b.tokenizer.get_vocab(with_added_tokens=True) and a.eos_ids == b.eos_ids)
+
 
 @dataclasses.dataclass(frozen=True)
 class PromptSet:
-  """P problems encoded with the built-in tokenizer (BOS + prompt text).
+  """P problems encoded with a tokenizer (its chat template, or BOS + prompt text).
 
-  tokens_PxT: int32 prompts right-padded with PAD to T (a multiple of the bucket);
+  tokens_PxT: int32 prompts right-padded with the tokenizer's pad id to T (a multiple
+  of the bucket);
   lengths_P: int32; targets: the reward's arrays, each [P, ...]; problems: the source.
   """
   problems: tuple[Problem, ...]
@@ -118,20 +156,22 @@ def _stack_targets(problems: Sequence[Problem]) -> dict[str, np.ndarray]:
 
 
 def encode_problems(problems: Sequence[Problem], *, max_prompt_tokens: int,
-                    bucket: int = 16) -> PromptSet:
+                    bucket: int = 16, text_tokenizer: TextTokenizer | None = None) -> PromptSet:
   """Encodes problems into a PromptSet, dropping the ones that cannot be prompts.
 
-  A prompt is unusable when its text has characters outside the built-in vocabulary
-  or it is longer than ``max_prompt_tokens``; if nothing is left, that is an error
-  naming why the first problems were rejected (a run with no prompts cannot learn).
+  text_tokenizer: the policy's (default: the built-in vocabulary). A prompt is
+  unusable when its text has characters the tokenizer has no token for or it is
+  longer than ``max_prompt_tokens``; if nothing is left, that is an error naming why
+  the first problems were rejected (a run with no prompts cannot learn).
   """
   check(isinstance(max_prompt_tokens, int) and max_prompt_tokens > 1, "encode_problems",
         "max_prompt_tokens", max_prompt_tokens, "an integer > 1")
+  text_tokenizer = text_tokenizer or tokenizer.text_tokenizer()
   kept, encoded, reasons = [], [], []
   for index, problem in enumerate(problems):
     try:
-      ids = tokenizer.encode(problem.prompt, add_bos=True)
-    except tokenizer.UnknownCharacterError as error:
+      ids = problem.prompt_ids(text_tokenizer)
+    except UnknownTextError as error:
       reasons.append(f"problem {index}: {error}")
       continue
     if len(ids) > max_prompt_tokens:
@@ -144,7 +184,7 @@ def encode_problems(problems: Sequence[Problem], *, max_prompt_tokens: int,
     detail = "; ".join(reasons[:3]) if reasons else "the problem list is empty"
     raise NoValidPromptsError(f"no valid prompts among {len(problems)} problems ({detail}).")
   width = -(-max(len(ids) for ids in encoded) // bucket) * bucket
-  tokens = np.full((len(kept), width), tokenizer.PAD_ID, np.int32)
+  tokens = np.full((len(kept), width), text_tokenizer.padding_id, np.int32)
   for row, ids in enumerate(encoded):
     tokens[row, :len(ids)] = ids
   return PromptSet(problems=tuple(kept), tokens_PxT=tokens,
@@ -154,12 +194,14 @@ def encode_problems(problems: Sequence[Problem], *, max_prompt_tokens: int,
 
 def make_prompt_set(task: Task, size: int, *, seed: int, max_prompt_tokens: int = 64,
                     bucket: int = 16) -> PromptSet:
-  """``size`` problems sampled from ``task`` with ``seed`` (reproducible)."""
+  """``task``'s prompt problems (``size`` samples drawn with ``seed``, or a dataset's
+  rows), encoded with the task's tokenizer."""
   check(isinstance(size, int) and size > 0, "make_prompt_set", "size", size,
         "a positive integer")
   rng = np.random.default_rng(seed)
-  return encode_problems([task.sample(rng) for _ in range(size)],
-                         max_prompt_tokens=max_prompt_tokens, bucket=bucket)
+  return encode_problems(task.prompt_problems(size, rng),
+                         max_prompt_tokens=max_prompt_tokens, bucket=bucket,
+                         text_tokenizer=task.tokenizer)
 
 
 def step_indices(num_prompts_in_set: int, step: int, prompts_per_step: int, seed: int

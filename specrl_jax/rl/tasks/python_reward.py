@@ -24,8 +24,10 @@ import numpy as np
 
 from specrl_jax.config import check, is_finite_number
 from specrl_jax.models import tokenizer
+from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.rl.tasks.base import Problem, Task
-from specrl_jax.rl.tasks.reward_workers import RewardWorkers, SampleError, call_with_timeout
+from specrl_jax.rl.tasks.reward_workers import (
+    RewardWorkers, SampleError, call_all_with_timeout)
 
 # (response text, this sample's reward targets as numpy arrays) -> reward
 HostRewardFn = Callable[[str, Mapping[str, np.ndarray]], float]
@@ -71,17 +73,23 @@ def _check_options(owner: str, timeout, workers, memory_limit_mb) -> None:
 
 
 def python_reward(fn: HostRewardFn, *, name: str | None = None, timeout: float | None = 60.0,
-                  workers: int = 0, memory_limit_mb: int | None = None):
+                  workers: int = 0, memory_limit_mb: int | None = None, threads: int = 1,
+                  text_tokenizer: TextTokenizer | None = None):
   """A jittable reward (targets, tokens_RxL, lengths_R) -> float32 [R] that calls
-  ``fn(response_text, targets_row)`` for every sample on the host.
+  ``fn(response_text, targets_row)`` for every sample on the host; the response is
+  decoded by ``text_tokenizer`` (default the built-in one) up to its stop token.
 
   timeout: seconds one call may run (None: no limit). In this process (workers=0) a
     call past it is abandoned, still running in its thread; in a worker it is killed.
   workers: 0 calls ``fn`` in this process; N > 0 in N worker processes (isolation for
     untrusted code; ``fn`` must pickle, e.g. a module-level function).
   memory_limit_mb: with workers, the address space one worker may grow by (RLIMIT_AS).
+  threads: without workers, how many calls run at once on host threads.
   """
   _check_options("python_reward", timeout, workers, memory_limit_mb)
+  check(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
+        "python_reward", "threads", threads, "an integer >= 1")
+  text_tokenizer = text_tokenizer or tokenizer.text_tokenizer()
   label = name or getattr(fn, "__qualname__", repr(fn))
   pool = (RewardWorkers(fn, num_workers=workers, timeout=timeout,
                         memory_limit_bytes=memory_limit_mb and memory_limit_mb << 20)
@@ -90,13 +98,13 @@ def python_reward(fn: HostRewardFn, *, name: str | None = None, timeout: float |
   def host(targets, tokens_RxL, lengths_R):
     targets = {k: np.asarray(v) for k, v in targets.items()}
     tokens_RxL, lengths_R = np.asarray(tokens_RxL), np.asarray(lengths_R)
-    samples = [(tokenizer.decode(row[:n].tolist()), {k: v[i] for k, v in targets.items()})
+    samples = [(text_tokenizer.decode(row[:n].tolist()), {k: v[i] for k, v in targets.items()})
                for i, (row, n) in enumerate(zip(tokens_RxL, lengths_R))]
     try:
       if pool is not None:
         rewards = pool.score(samples)
       else:
-        rewards = [call_with_timeout(fn, sample, timeout, i) for i, sample in enumerate(samples)]
+        rewards = call_all_with_timeout(fn, samples, timeout, threads)
       return np.asarray(rewards, np.float32)
     except SampleError as error:  # handed to the host loop, see the module docstring
       with _LOCK:
@@ -131,7 +139,11 @@ class PythonRewardTask(Task):
     _check_options("PythonRewardTask", self.timeout, self.workers, self.memory_limit_mb)
     object.__setattr__(self, "_reward", python_reward(
         self.fn, timeout=self.timeout, workers=self.workers,
-        memory_limit_mb=self.memory_limit_mb))
+        memory_limit_mb=self.memory_limit_mb, text_tokenizer=self.task.tokenizer))
+
+  @property
+  def tokenizer(self) -> TextTokenizer:
+    return self.task.tokenizer
 
   @property
   def max_response_tokens(self) -> int:

@@ -67,6 +67,38 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None
   return box["value"]
 
 
+def call_all_with_timeout(fn: Callable[..., Any], samples: Sequence[tuple], timeout: float | None,
+                          threads: int) -> list[float]:
+  """``[float(fn(*sample)) for sample in samples]`` computed by up to ``threads`` calls
+  at once (each as ``call_with_timeout``: its own daemon thread and deadline); the
+  first failure, by sample order, is raised as SampleError."""
+  if threads <= 1 or len(samples) <= 1:
+    return [call_with_timeout(fn, sample, timeout, i) for i, sample in enumerate(samples)]
+  results: list[Any] = [None] * len(samples)
+  gate = threading.Semaphore(threads)
+
+  def run(index):
+    try:
+      results[index] = call_with_timeout(fn, samples[index], timeout, index)
+    except SampleError as error:
+      results[index] = error
+    finally:
+      gate.release()
+
+  runners = []
+  for index in range(len(samples)):
+    gate.acquire()
+    runner = threading.Thread(target=run, args=(index,), daemon=True)
+    runner.start()
+    runners.append(runner)
+  for runner in runners:
+    runner.join()
+  for value in results:
+    if isinstance(value, SampleError):
+      raise value
+  return results
+
+
 def _stop(process: subprocess.Popen | None) -> int | None:
   if process is None:
     return None

@@ -1,0 +1,92 @@
+"""What a `specrl train` run reads besides its config: the policy's tokenizer, the
+task (a built-in task or a dataset with its held-out split), and the per-step data
+records (where the step is in the data, a few scored samples, periodic evaluation)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from specrl_jax.config import ConfigError
+from specrl_jax.models import tokenizer
+from specrl_jax.models.text_tokenizer import TextTokenizer
+from specrl_jax.rl import run_directory
+from specrl_jax.rl.evaluation import evaluate
+from specrl_jax.rl.experiment import ExperimentConfig
+from specrl_jax.rl.tasks import DatasetTask, PromptSet, Task
+
+
+def policy_tokenizer(config: ExperimentConfig) -> TextTokenizer:
+  """The policy folder's own tokenizer, else the built-in vocabulary's."""
+  if not config.policy.path:
+    return tokenizer.text_tokenizer()
+  text_tokenizer = TextTokenizer.from_pretrained(config.policy.path)
+  model_config = os.path.join(config.policy.path, "config.json")
+  vocab_size = (run_directory.read_json(model_config) or {}).get("vocab_size")
+  # Ids past the embedding table would be clamped by the gather, silently.
+  if isinstance(vocab_size, int) and text_tokenizer.vocab_size > vocab_size:
+    raise ConfigError(f"the tokenizer of {config.policy.path} has {text_tokenizer.vocab_size} "
+                      f"tokens but {model_config} has vocab_size={vocab_size}: the model "
+                      "cannot read all of its ids")
+  return text_tokenizer
+
+
+def run_tasks(config: ExperimentConfig, text_tokenizer: TextTokenizer, task: Task | None
+              ) -> tuple[Task, DatasetTask | None]:
+  """(training task, held-out task or None): ``task`` when given, else the dataset's
+  (``data.path``), else the built-in ``task`` section's; checked against the
+  policy's tokenizer."""
+  held_out = None
+  if task is None and config.data.path:
+    task, held_out = config.data.make(text_tokenizer)
+  task = task if task is not None else config.task.make()
+  task.check_tokenizer(text_tokenizer)
+  return task, held_out
+
+
+def check_data(config: ExperimentConfig) -> None:
+  data = config.data
+  if data.path and not data.solution_field and config.warm_start.sft_steps:
+    raise ConfigError(
+        f"WarmStartSection.sft_steps={config.warm_start.sft_steps} is invalid with a dataset "
+        "without worked solutions: set --data.solution_field=COLUMN or "
+        "--warm_start.sft_steps=0")
+
+
+def data_position(prompt_set: PromptSet, indices: Sequence[int], step: int,
+                  prompts_per_step: int) -> dict[str, Any]:
+  """Where step ``step`` is in the data: its epoch and its prompts (dataset rows for
+  a dataset task, else prompt-set indices)."""
+  if "index" in prompt_set.targets:
+    rows = [int(r) for r in prompt_set.targets["index"][list(indices)]]
+  else:
+    rows = [int(i) for i in indices]
+  return {"epoch": step * prompts_per_step // len(prompt_set), "rows": rows}
+
+
+def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | None,
+                 prompt_set: PromptSet, indices: Sequence[int], step: int, graphdef,
+                 state) -> dict[str, Any]:
+  """The data records of step ``step`` for its metrics line: ``data`` (position),
+  ``samples`` (a few scored ones, dataset tasks) and, every ``data.eval_every``
+  steps, the held-out split's ``eval_*`` metrics under the updated policy."""
+  records: dict[str, Any] = {
+      "data": data_position(prompt_set, indices, step, config.rl.prompts_per_step)}
+  samples = task.take_samples() if isinstance(task, DatasetTask) else []
+  if samples:
+    records["samples"] = samples
+  every = config.data.eval_every
+  # One process's evaluation: the weights of a multi-process mesh are not all here.
+  if (held_out is not None and every and (step + 1) % every == 0
+      and jax.process_count() == 1):
+    model = nnx.merge(graphdef, jax.device_get(state.params))
+    result = evaluate(model, held_out, k=config.data.eval_k,
+                      temperature=config.rl.temperature, seed=step,
+                      threshold=config.data.correct_threshold,
+                      max_prompts=config.data.eval_max_prompts)
+    records.update({f"eval_{name}": value for name, value in result.items()})
+  return records
