@@ -1,0 +1,145 @@
+"""The learner at real-size settings: float32 master weights under bfloat16 compute,
+rematerialised blocks, and the log-prob pass skipped, each against the plain step."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import specrl_jax as sj
+from specrl_jax import parallel, rl
+
+SAMPLING = sj.SamplingParams(temperature=1.0)
+MODEL = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=128, num_layers=4,
+                       num_heads=4, num_kv_heads=2, head_dim=8)
+B, T, PROMPT = 8, 48, 8
+
+
+def _batch(model, *, seed=0, old=True):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, MODEL.vocab_size, (B, T)).astype(np.int32)
+  positions = np.arange(T)[None]
+  mask = (positions >= PROMPT) & (positions < PROMPT + rng.integers(1, T - PROMPT, B)[:, None])
+  logprobs = np.asarray(rl.policy_log_probs(model, tokens, mask, SAMPLING), np.float32)
+  rollout = np.where(mask, logprobs + rng.normal(0, 0.01, (B, T)), 0).astype(np.float32)
+  return rl.Batch(tokens=tokens, response_mask=mask, advantages=rng.normal(size=B)
+                  .astype(np.float32), old_logprobs=logprobs if old else None,
+                  rollout_logprobs=rollout)
+
+
+def _step(model, config, batch, *, steps=1):
+  mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  graphdef, params = nnx.split(model)
+  state = rl.init_train_state(params, config, mesh, rng=jax.random.key(0))
+  step = rl.make_train_step(graphdef, config, mesh, state, sampling=SAMPLING)
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  return state, jax.tree.map(np.asarray, metrics), step
+
+
+def _leaves(tree):
+  return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+# ----------------------------------------------------------------- master weights
+
+def test_a_bfloat16_model_trains_float32_weights_and_moments_and_computes_in_bfloat16():
+  model = sj.Transformer(MODEL.replace(param_dtype="bfloat16", dtype="bfloat16"),
+                         rngs=nnx.Rngs(0))
+  batch = _batch(model)
+  config = rl.LearnerConfig(learning_rate=1e-4, schedule="constant")
+  state, metrics, _ = _step(model, config, batch)
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+  assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.float32)}
+  # What the loss and the rollout read: the weights in the model's own dtype.
+  assert {x.dtype for x in jax.tree.leaves(state.compute_params())} == {jnp.dtype(jnp.bfloat16)}
+  # The first loss is the bf16 model's: the forward differentiated is the sampler's.
+  _, bf16_metrics, _ = _step(model, dataclasses.replace(config, master_dtype=None), batch)
+  assert metrics["loss"] == bf16_metrics["loss"]
+
+
+def test_updates_below_bfloat16_resolution_are_kept_by_the_float32_master_copy():
+  model = sj.Transformer(MODEL.replace(param_dtype="bfloat16", dtype="bfloat16"),
+                         rngs=nnx.Rngs(0))
+  before = _leaves(nnx.split(model)[1])
+  batch = _batch(model)
+  # Adam moves each weight by ~lr = 1e-6 per step, below half a bf16 ulp of all but
+  # the smallest weights (|w| < ~256 lr): bf16 weights round those updates away.
+  config = rl.LearnerConfig(learning_rate=1e-6, schedule="constant", max_grad_norm=None)
+  master, _, _ = _step(model, config, batch, steps=3)
+  bf16, _, _ = _step(model, dataclasses.replace(config, master_dtype=None), batch, steps=3)
+
+  def moved_fraction(params):
+    changed = [(a != b) for a, b, x in zip(_leaves(params), before, jax.tree.leaves(params))
+               if x.ndim > 1]
+    return sum(c.sum() for c in changed) / sum(c.size for c in changed)
+
+  assert moved_fraction(bf16.params) < 0.05  # lost in bf16
+  assert moved_fraction(master.params) > 0.9  # kept in f32
+  for a, b in zip(_leaves(master.params), before):
+    assert np.abs(a - b).max() < 1e-5  # ~3 lr: Adam's step, not a rounding jump
+
+
+# ----------------------------------------------------------------- remat
+
+def _temp_bytes(step, state, batch):
+  return step.jitted.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_remat_lowers_peak_training_memory_and_leaves_loss_and_update_unchanged():
+  model = sj.Transformer(MODEL, rngs=nnx.Rngs(0))
+  batch = _batch(model)
+  results = {}
+  for remat in ("none", "dots_with_no_batch_dims_saveable", "full"):
+    config = rl.LearnerConfig(learning_rate=1e-3, remat=remat)
+    state, metrics, step = _step(model, config, batch)
+    fresh = rl.init_train_state(nnx.split(model)[1], config, step.mesh, rng=jax.random.key(0))
+    results[remat] = (state, metrics, _temp_bytes(step, fresh, batch))
+  none_state, none_metrics, none_bytes = results["none"]
+  assert results["full"][2] < 0.7 * none_bytes, {k: v[2] for k, v in results.items()}
+  assert results["dots_with_no_batch_dims_saveable"][2] < none_bytes
+  for remat in ("dots_with_no_batch_dims_saveable", "full"):
+    state, metrics, _ = results[remat]
+    np.testing.assert_allclose(metrics["loss"], none_metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["grad_norm"], none_metrics["grad_norm"], rtol=1e-5)
+    for a, b in zip(_leaves(state.params), _leaves(none_state.params)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_an_unknown_remat_policy_is_refused_with_the_allowed_names():
+  with pytest.raises(sj.ConfigError, match=r"remat='some'.*'dots_saveable'.*'full'.*'none'"):
+    rl.LearnerConfig(remat="some")
+
+
+# ----------------------------------------------------------------- log-prob pass
+
+def test_skipping_the_log_prob_pass_gives_the_update_of_the_pass_and_the_mismatch():
+  model = sj.Transformer(MODEL, rngs=nnx.Rngs(0))
+  with_old = _batch(model)  # old_logprobs: the learner's own, as the pass computes them
+  config = rl.LearnerConfig(learning_rate=1e-3, loss=rl.GRPOConfig(tis_cap=2.0))
+  passed, passed_metrics, _ = _step(model, config, with_old)
+  skipped, skipped_metrics, _ = _step(model, dataclasses.replace(
+      config, skip_log_prob_pass=True), dataclasses.replace(with_old, old_logprobs=None))
+  for a, b in zip(_leaves(skipped.params), _leaves(passed.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(skipped_metrics["loss"], passed_metrics["loss"], rtol=1e-5)
+  assert skipped_metrics["ratio_max"] == skipped_metrics["ratio_min"] == 1.0
+  # The mismatch: |rollout - learner| per response token, in both modes.
+  mask = with_old.response_mask
+  gap = np.abs(with_old.rollout_logprobs - with_old.old_logprobs)[mask]
+  for metrics in (passed_metrics, skipped_metrics):
+    np.testing.assert_allclose(metrics["logprob_mismatch_mean"], gap.mean(), rtol=1e-3)
+    np.testing.assert_allclose(metrics["logprob_mismatch_max"], gap.max(), rtol=1e-3)
+    np.testing.assert_allclose(metrics["token_mult_prob_error"], np.exp(gap).mean(), rtol=1e-5)
+
+
+def test_a_batch_without_old_log_probs_needs_the_pass_skipped():
+  model = sj.Transformer(MODEL, rngs=nnx.Rngs(0))
+  batch = _batch(model, old=False)
+  mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  with pytest.raises(sj.ConfigError, match="old_logprobs.*skip_log_prob_pass=True"):
+    rl.validate_batch(batch, mesh, rl.LearnerConfig())
