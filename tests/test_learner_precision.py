@@ -2,6 +2,11 @@
 rematerialised blocks, and the log-prob pass skipped, each against the plain step."""
 
 import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +47,13 @@ def _step(model, config, batch, *, steps=1):
 
 def _leaves(tree):
   return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+def _assert_same_update(got, want, before):
+  """Per tensor, the update agrees to 1e-3 of its norm: Adam's first step is about
+  lr * sign(gradient), so an entry whose gradient is ~0 may flip with rounding."""
+  for a, b, w0 in zip(_leaves(got), _leaves(want), before):
+    assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b - w0) + 1e-9
 
 
 # ----------------------------------------------------------------- master weights
@@ -86,28 +98,36 @@ def test_updates_below_bfloat16_resolution_are_kept_by_the_float32_master_copy()
 
 # ----------------------------------------------------------------- remat
 
-def _temp_bytes(step, state, batch):
-  return step.jitted.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_remat_lowers_peak_training_memory_and_leaves_loss_and_update_unchanged():
+def test_remat_lowers_peak_training_memory_of_the_compiled_step():
+  # A fresh process: the CPU scheduler that lets remat save memory is chosen by
+  # XLA_FLAGS before JAX starts (see the script's docstring).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO))
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, str(REPO / "experiments" / "bench_remat.py"),
+                        "--layers=4", "--length=64", "--policies=none,full,dots_saveable"],
+                       env=env, capture_output=True, text=True, timeout=600, check=True)
+  policies = json.loads(out.stdout)["policies"]
+  none = policies["none"]
+  for name in ("full", "dots_saveable"):
+    assert policies[name]["temp_bytes"] < 0.9 * none["temp_bytes"], policies
+    assert policies[name]["loss"] == none["loss"]
+    np.testing.assert_allclose(policies[name]["grad_norm"], none["grad_norm"], rtol=1e-5)
+
+
+def test_remat_leaves_the_loss_and_the_update_unchanged():
   model = sj.Transformer(MODEL, rngs=nnx.Rngs(0))
   batch = _batch(model)
-  results = {}
-  for remat in ("none", "dots_with_no_batch_dims_saveable", "full"):
-    config = rl.LearnerConfig(learning_rate=1e-3, remat=remat)
-    state, metrics, step = _step(model, config, batch)
-    fresh = rl.init_train_state(nnx.split(model)[1], config, step.mesh, rng=jax.random.key(0))
-    results[remat] = (state, metrics, _temp_bytes(step, fresh, batch))
-  none_state, none_metrics, none_bytes = results["none"]
-  assert results["full"][2] < 0.7 * none_bytes, {k: v[2] for k, v in results.items()}
-  assert results["dots_with_no_batch_dims_saveable"][2] < none_bytes
-  for remat in ("dots_with_no_batch_dims_saveable", "full"):
+  results = {remat: _step(model, rl.LearnerConfig(learning_rate=1e-3, remat=remat), batch)
+             for remat in ("none", "dots_saveable", "full")}
+  none_state, none_metrics, _ = results["none"]
+  for remat in ("dots_saveable", "full"):
     state, metrics, _ = results[remat]
     np.testing.assert_allclose(metrics["loss"], none_metrics["loss"], rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], none_metrics["grad_norm"], rtol=1e-5)
-    for a, b in zip(_leaves(state.params), _leaves(none_state.params)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    _assert_same_update(state.params, none_state.params, _leaves(nnx.split(model)[1]))
 
 
 def test_an_unknown_remat_policy_is_refused_with_the_allowed_names():
@@ -124,9 +144,10 @@ def test_skipping_the_log_prob_pass_gives_the_update_of_the_pass_and_the_mismatc
   passed, passed_metrics, _ = _step(model, config, with_old)
   skipped, skipped_metrics, _ = _step(model, dataclasses.replace(
       config, skip_log_prob_pass=True), dataclasses.replace(with_old, old_logprobs=None))
-  for a, b in zip(_leaves(skipped.params), _leaves(passed.params)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  _assert_same_update(skipped.params, passed.params, _leaves(nnx.split(model)[1]))
   np.testing.assert_allclose(skipped_metrics["loss"], passed_metrics["loss"], rtol=1e-5)
+  np.testing.assert_allclose(skipped_metrics["grad_norm"], passed_metrics["grad_norm"],
+                             rtol=1e-5)
   assert skipped_metrics["ratio_max"] == skipped_metrics["ratio_min"] == 1.0
   # The mismatch: |rollout - learner| per response token, in both modes.
   mask = with_old.response_mask
