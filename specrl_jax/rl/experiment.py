@@ -140,6 +140,54 @@ class WarmStartSection:
     _number(owner, "sft_noise", self.sft_noise, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerSection:
+  """The learner, beyond ``rl.learning_rate`` and ``rl.warmup_steps``.
+
+  schedule: the decay after warmup, one of ``rl.optimizer.SCHEDULES`` (constant,
+    linear, cosine), from the peak to peak * final_learning_rate_ratio over
+    decay_steps (None: the rest of the run, rl.steps - rl.warmup_steps).
+  num_micro_batches: gradient accumulation, the per-replica batch in this many slices
+    (memory, not math).
+  kl_beta: weight of the KL term to the initial policy; > 0 keeps a frozen reference
+    copy in the train state (checkpointed, restored on resume).
+  master_dtype: "float32" weights and Adam moments whatever the model computes in, or
+    None for the model's own dtype. remat: what each decoder block keeps for the
+    backward pass (``models.transformer.REMAT_POLICIES``).
+  skip_log_prob_pass: take the ratio's denominator from the update's own forward
+    (exact: one update per batch; see ``LearnerConfig``), saving one forward a step.
+  """
+  schedule: str = "constant"
+  decay_steps: int | None = None
+  final_learning_rate_ratio: float = 0.1
+  num_micro_batches: int = 1
+  kl_beta: float = 0.0
+  weight_decay: float = 0.0
+  max_grad_norm: float | None = 1.0
+  master_dtype: str | None = "float32"
+  remat: str = "none"
+  skip_log_prob_pass: bool = True
+
+  def __post_init__(self):
+    check(self.decay_steps is None or (isinstance(self.decay_steps, int)
+                                       and not isinstance(self.decay_steps, bool)
+                                       and self.decay_steps > 0),
+          "LearnerSection", "decay_steps", self.decay_steps,
+          "None (the rest of the run) or a positive integer")
+    self.config(learning_rate=0.0, steps=1, warmup_steps=0)  # LearnerConfig's own checks
+
+  def config(self, *, learning_rate: float, steps: int, warmup_steps: int,
+             loss: GRPOConfig = GRPOConfig()) -> LearnerConfig:
+    decay = self.decay_steps or max(steps - warmup_steps, 1)
+    return LearnerConfig(
+        learning_rate=learning_rate, schedule=self.schedule, warmup_steps=warmup_steps,
+        decay_steps=decay, final_learning_rate_ratio=self.final_learning_rate_ratio,
+        weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+        num_micro_batches=self.num_micro_batches, master_dtype=self.master_dtype,
+        remat=self.remat, skip_log_prob_pass=self.skip_log_prob_pass,
+        loss=dataclasses.replace(loss, beta=self.kl_beta))
+
+
 RL_MODES = ("sync", "async")
 
 
@@ -211,10 +259,20 @@ class RLSection:
     return EngineConfig(num_slots=self.num_slots, memory_budget_bytes=self.memory_budget_bytes,
                         memory_fraction=self.memory_fraction)
 
-  def learner(self) -> LearnerConfig:
-    return LearnerConfig(learning_rate=self.learning_rate, schedule="constant",
-                         warmup_steps=self.warmup_steps, max_grad_norm=1.0,
-                         loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+  def learner(self, section: LearnerSection = LearnerSection()) -> LearnerConfig:
+    """The learner's config: this section's rate, warmup and clipping with
+    ``section``'s schedule, batching, KL and precision."""
+    return section.config(
+        learning_rate=self.learning_rate, steps=self.steps, warmup_steps=self.warmup_steps,
+        loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+
+  def samples_per_replica(self) -> int:
+    """Rows of one step's batch on each learner replica (data * fsdp of its mesh)."""
+    if self.mode == "async":
+      replicas = self.train_devices // self.mesh[2]
+    else:
+      replicas = self.mesh[0] * self.mesh[1]
+    return self.group_size * self.prompts_per_step // max(replicas, 1)
 
   def rollout(self, max_new_tokens: int) -> RolloutConfig:
     sampling = SamplingParams(temperature=self.temperature, max_new_tokens=max_new_tokens,
@@ -262,7 +320,17 @@ class ExperimentConfig:
   task: TaskSection = TaskSection()
   warm_start: WarmStartSection = WarmStartSection()
   rl: RLSection = RLSection()
+  learner: LearnerSection = LearnerSection()
   output: OutputSection = OutputSection()
+
+  def __post_init__(self):
+    micro, rows = self.learner.num_micro_batches, self.rl.samples_per_replica()
+    check(rows % micro == 0, "LearnerSection", "num_micro_batches", micro,
+          f"a divisor of the {rows} samples each learner replica trains on per step "
+          f"(rl.group_size * rl.prompts_per_step / data-parallel replicas)")
+
+  def learner_config(self) -> LearnerConfig:
+    return self.rl.learner(self.learner)
 
 
 PRESETS: dict[str, ExperimentConfig] = {

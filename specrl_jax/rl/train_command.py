@@ -67,7 +67,7 @@ class Session:
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
-    self.learner = config.rl.learner()
+    self.learner = config.learner_config()
     self.rollout_config = config.rl.rollout(self.task.max_response_tokens)
     self.engine = config.rl.engine()
     self.spec = SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
@@ -157,12 +157,18 @@ class Session:
     params = jax.device_get(nnx.split(models.policy)[1])
     drafter = jax.device_get(online.trainable) if online else None
     return init_train_state(params, self.learner, mesh, rng=jax.random.key(self.config.rl.seed),
-                            drafter_params=drafter)
+                            with_reference=self.with_reference, drafter_params=drafter)
 
   def _abstract_state(self, models: Models, online: OnlineDrafter | None, mesh) -> TrainState:
     return abstract_train_state(nnx.split(models.policy)[1], self.learner, mesh,
                                 rng=jax.random.key(self.config.rl.seed),
+                                with_reference=self.with_reference,
                                 drafter_params=online.trainable if online else None)
+
+  @property
+  def with_reference(self) -> bool:
+    """A KL term needs the frozen initial policy in the train state."""
+    return self.learner.loss.beta > 0
 
   def checkpoint_mesh(self, train_mesh):
     return checkpoint_mesh(train_mesh)
