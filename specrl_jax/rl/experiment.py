@@ -288,6 +288,9 @@ class OutputSection:
   keep_checkpoints: the newest this many are kept (at least 1: the one resume uses).
   collapse_window: steps in a row of zero gradient norm and constant reward after
     which the ``collapse_warning`` metric turns on and the console says so once.
+  compilation_cache: JAX's persistent compilation cache for `specrl train` and the
+    demo: "auto" (``<parent of directory>/jax_compilation_cache``), "off", or a
+    folder; a cache set by JAX_COMPILATION_CACHE_DIR wins (``specrl_jax.compile_cache``).
   """
   directory: str = "runs/train"
   checkpoint_every: int = 10
@@ -297,6 +300,7 @@ class OutputSection:
   plots: bool = True
   progress: bool = True
   collapse_window: int = 5
+  compilation_cache: str = "auto"
 
   def __post_init__(self):
     owner = "OutputSection"
@@ -308,6 +312,8 @@ class OutputSection:
     for name in ("resume", "tensorboard", "plots", "progress"):
       check(isinstance(getattr(self, name), bool), owner, name, getattr(self, name),
             "True or False")
+    check(isinstance(self.compilation_cache, str), owner, "compilation_cache",
+          self.compilation_cache, '"auto", "off" or a folder')
     _non_negative(owner, "collapse_window", self.collapse_window,
                   "an integer >= 0 (steps of zero gradient and constant reward before a "
                   "collapse warning; 0 = never warn)")

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
+from specrl_jax.compile_cache import cache_directory, persistent_cache
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
@@ -386,8 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               "the run configuration")
     session = Session(config, log=print if distributed.is_primary() else _quiet)
     session.check()  # what cannot work fails now, not after the warm start
-    models = session.warm_start()
-    summary = session.train(models)
+    with persistent_cache(cache_directory(config.output.compilation_cache,
+                                          config.output.directory)):
+      models = session.warm_start()
+      summary = session.train(models)
   except (ConfigError, TrainingDivergedError, RewardFunctionError, StalePolicyError,
           PagePoolExhaustedError, DistributedError) as error:
     print(f"specrl train: {type(error).__name__}: {error}", file=sys.stderr)
