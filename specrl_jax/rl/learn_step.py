@@ -68,5 +68,7 @@ def make_learn_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   return LearnStep(
       train_step=make_train_step(graphdef, config, mesh, state, sampling=sampling,
                                  drafter=drafter),
-      log_prob_step=make_log_prob_step(graphdef, mesh, state.params, sampling=sampling),
+      # Shaped like the weights the model computes with (merged, with LoRA).
+      log_prob_step=make_log_prob_step(graphdef, mesh, jax.eval_shape(
+          lambda state: state.compute_params(), state), sampling=sampling),
       group_size=rollout.group_size)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specrl_jax.config import SamplingParams, check
 from specrl_jax.parallel.mesh import BATCH_AXES, batch_sharding, data_parallel_size, replicated
 from specrl_jax.parallel.rules import TRANSFORMER_RULES, PartitionRules, named_shardings
-from specrl_jax.rl import precision
+from specrl_jax.rl import lora, precision
 from specrl_jax.rl.logprobs import token_log_probs
 from specrl_jax.rl.losses import aggregation_weights, combine_metrics, valid_token_weights
 from specrl_jax.rl.numerics import keep_if_finite
@@ -70,7 +70,13 @@ def _state_builder(params, config: LearnerConfig, *, rng: Array, with_reference:
   def build(params_in, drafter_in, rng_in):
     policy = params() if callable(params) else params_in
     drafter = drafter_params() if callable(drafter_params) else drafter_in
-    master = precision.master_copy(policy, config.master_dtype)
+    if config.lora is None:
+      master, frozen = precision.master_copy(policy, config.master_dtype), None
+      compute_dtypes = precision.compute_dtypes_if_changed(policy, master)
+    else:  # the adapters train (in float32); the base is frozen in its own dtype
+      master, frozen, compute_dtypes = lora.init_adapters(
+          policy, config.lora, jax.random.fold_in(jax.random.wrap_key_data(rng_in), 1),
+          jnp.dtype(config.master_dtype or "float32")), policy, None
     drafter_master = precision.master_copy(drafter, config.master_dtype)
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=master, opt_state=policy_tx.init(master),
@@ -79,8 +85,9 @@ def _state_builder(params, config: LearnerConfig, *, rng: Array, with_reference:
         ref_params=jax.tree.map(jnp.copy, policy) if with_reference else None,
         drafter_params=drafter_master,
         drafter_opt_state=None if drafter is None else drafter_tx.init(drafter_master),
-        compute_dtypes=precision.compute_dtypes_if_changed(policy, master),
-        drafter_compute_dtypes=precision.compute_dtypes_if_changed(drafter, drafter_master))
+        frozen_params=frozen, compute_dtypes=compute_dtypes,
+        drafter_compute_dtypes=precision.compute_dtypes_if_changed(drafter, drafter_master),
+        lora=config.lora)
 
   # Functions are traced inside build; arrays are passed in (never baked as constants).
   args = (None if callable(params) else params,
@@ -203,7 +210,7 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   drafter_tx = make_optimizer(config, drafter_peak(config))
   schedule = learning_rate_schedule(config)
   state_shardings = train_state_shardings(state, mesh, rules)
-  loss_fn = policy_and_drafter_loss(graphdef, config, mesh, drafter, sampling, state)
+  loss_fn = policy_and_drafter_loss(graphdef, config, mesh, drafter, sampling)
   grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
   micro_batches = config.num_micro_batches
 
@@ -219,8 +226,7 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
         (state_shardings.params, state_shardings.drafter_params))
 
     def accumulate(grads, micro_batch):
-      (_, aux), grads_now = grad_fn(state.params, state.drafter_params, state.ref_params,
-                                    *micro_batch)
+      (_, aux), grads_now = grad_fn(state.params, state.drafter_params, state, *micro_batch)
       return jax.tree.map(jnp.add, grads, grads_now), aux
 
     (policy_grads, drafter_grads), (metrics, drafter_metrics) = jax.lax.scan(

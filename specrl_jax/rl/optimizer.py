@@ -15,6 +15,7 @@ import optax
 
 from specrl_jax.config import check, is_finite_number
 from specrl_jax.models.transformer import REMAT_POLICIES
+from specrl_jax.rl.lora import LoRAConfig
 from specrl_jax.rl.losses import GRPOConfig
 from specrl_jax.rl.precision import MASTER_DTYPES
 
@@ -69,6 +70,7 @@ class LearnerConfig:
     update's own forward, detached, instead of a separate log-prob pass. Exact here:
     each batch gets one update, so the pass would compute the same values with the
     same weights; it saves one forward over the batch.
+  lora: train LoRA adapters on a frozen base instead of every weight (``rl.lora``).
   """
 
   learning_rate: float = 1e-6
@@ -87,6 +89,7 @@ class LearnerConfig:
   master_dtype: str | None = "float32"
   remat: str = "none"
   skip_log_prob_pass: bool = False
+  lora: LoRAConfig | None = None
 
   def __post_init__(self):
     owner = "LearnerConfig"
@@ -121,6 +124,8 @@ class LearnerConfig:
           f"one of {sorted(REMAT_POLICIES)}")
     check(isinstance(self.skip_log_prob_pass, bool), owner, "skip_log_prob_pass",
           self.skip_log_prob_pass, "True or False")
+    check(self.lora is None or isinstance(self.lora, LoRAConfig), owner, "lora", self.lora,
+          "None (train every weight) or a LoRAConfig")
 
 
 def learning_rate_schedule(config: LearnerConfig, peak: float | None = None) -> Schedule:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from specrl_jax.config import SamplingParams, check
 from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.parallel.mesh import BATCH_AXES
+from specrl_jax.rl import precision
 from specrl_jax.rl.logprobs import token_log_probs
 from specrl_jax.rl.losses import grpo_loss
 from specrl_jax.rl.mismatch import mismatch_metrics
@@ -60,10 +61,10 @@ def policy_forward(model, tokens_BxT: Array, hidden_layers: tuple[int, ...], mes
 
 
 def policy_and_drafter_loss(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
-                            drafter: DrafterObjective | None, sampling: SamplingParams,
-                            state: TrainState):
-  """loss(params, drafter_params, ref_params, micro_batch, weights...) for
-  value_and_grad, over the master copies in a state shaped like ``state``.
+                            drafter: DrafterObjective | None, sampling: SamplingParams):
+  """loss(params, drafter_params, state, micro_batch, weights...) for value_and_grad in
+  its first two arguments (the master copies, or LoRA adapters); ``state`` supplies
+  what stays fixed: the reference policy, a LoRA base, the compute dtypes.
 
   A batch without ``old_logprobs`` takes the ratio's denominator from this forward,
   detached (``LearnerConfig.skip_log_prob_pass``): each batch gets one update, so the
@@ -72,8 +73,9 @@ def policy_and_drafter_loss(graphdef: nnx.GraphDef, config: LearnerConfig, mesh:
   hidden_layers = () if drafter is None else drafter.hidden_layers
   micro_batches = config.num_micro_batches
 
-  def loss_fn(params, drafter_params, ref_params, batch: Batch, token_weights_BxT,
+  def loss_fn(params, drafter_params, state: TrainState, batch: Batch, token_weights_BxT,
               metric_weights_BxT):
+    ref_params = state.ref_params
     model = nnx.merge(graphdef, state.compute_params(params))
     out = policy_forward(model, batch.tokens, hidden_layers, mesh, config.remat)
     logprobs_BxT = token_log_probs(out.logits, batch.tokens, batch.response_mask,
@@ -83,7 +85,9 @@ def policy_and_drafter_loss(graphdef: nnx.GraphDef, config: LearnerConfig, mesh:
       old_logprobs_BxT = jax.lax.stop_gradient(logprobs_BxT)
     ref_logprobs_BxT = batch.ref_logprobs
     if ref_logprobs_BxT is None and ref_params is not None:
-      reference = nnx.merge(graphdef, state.compute_params(ref_params))
+      # A full copy of the initial policy (never adapters), in the model's dtype.
+      reference = nnx.merge(graphdef, precision.compute_copy(ref_params,
+                                                             state.compute_dtypes))
       ref_logits = policy_forward(reference, batch.tokens, (), mesh).logits
       ref_logprobs_BxT = jax.lax.stop_gradient(token_log_probs(
           ref_logits, batch.tokens, batch.response_mask, sampling))

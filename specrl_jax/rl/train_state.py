@@ -15,7 +15,8 @@ import jax
 
 from specrl_jax.config import check
 from specrl_jax.models.transformer import ForwardOutput
-from specrl_jax.rl import precision
+from specrl_jax.rl import lora, precision
+from specrl_jax.rl.lora import LoRAConfig
 from specrl_jax.rl.optimizer import non_negative_int
 
 Array = jax.Array
@@ -27,6 +28,8 @@ class TrainState:
 
   rng holds raw key data (uint32), which checkpoints as a plain array; it is advanced
   once per step for stochastic objectives.
+  With ``lora`` set, ``params`` are LoRA adapters and ``frozen_params`` the base policy
+  they adapt (``rl.lora``).
   params / drafter_params (and so their optimizer moments) are the master copies
   (``LearnerConfig.master_dtype``); ``compute_dtypes`` / ``drafter_compute_dtypes``
   record the dtypes the model computes in, one per leaf, when they differ (static:
@@ -40,16 +43,21 @@ class TrainState:
   ref_params: Any = None
   drafter_params: Any = None
   drafter_opt_state: Any = None
+  frozen_params: Any = None
   compute_dtypes: precision.Dtypes | None = flax.struct.field(pytree_node=False,
                                                                default=None)
   drafter_compute_dtypes: precision.Dtypes | None = flax.struct.field(pytree_node=False,
                                                                        default=None)
+  lora: LoRAConfig | None = flax.struct.field(pytree_node=False, default=None)
 
   def compute_params(self, params: Any = None) -> Any:
     """The policy weights the model computes with (``params``: a tree shaped like the
-    state's, e.g. the one being differentiated; default the state's own)."""
-    return precision.compute_copy(self.params if params is None else params,
-                                  self.compute_dtypes)
+    state's, e.g. the one being differentiated; default the state's own): with LoRA
+    the frozen base merged with the adapters ``params`` hold."""
+    params = self.params if params is None else params
+    if self.lora is not None:
+      return lora.merge(self.frozen_params, params, self.lora)
+    return precision.compute_copy(params, self.compute_dtypes)
 
   def compute_drafter_params(self, drafter_params: Any = None) -> Any:
     tree = self.drafter_params if drafter_params is None else drafter_params
