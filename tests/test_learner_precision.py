@@ -164,3 +164,48 @@ def test_a_batch_without_old_log_probs_needs_the_pass_skipped():
   mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   with pytest.raises(sj.ConfigError, match="old_logprobs.*skip_log_prob_pass=True"):
     rl.validate_batch(batch, mesh, rl.LearnerConfig())
+
+
+# ----------------------------------------------------------------- LoRA
+
+def test_lora_trains_adapters_on_a_frozen_base_and_computes_with_the_merged_weights():
+  model = sj.Transformer(MODEL, rngs=nnx.Rngs(0))
+  base = nnx.split(model)[1]
+  batch = _batch(model)
+  lora = rl.LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "down_proj"))
+  config = rl.LearnerConfig(learning_rate=1e-2, schedule="constant", lora=lora)
+  mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  state = rl.init_train_state(base, config, mesh, rng=jax.random.key(0))
+  # B starts at zero: the merged policy is the base policy, exactly.
+  assert _same_tree(state.compute_params(), base)
+  names = sorted(state.params)
+  assert len(names) == 3 * MODEL.num_layers and names[0] == "layers.0.attn.o_proj"
+  assert state.params["layers.0.attn.o_proj"]["a"].shape == (4 * 8, 4)  # [H*Dh, r]
+  step = rl.make_train_step(nnx.split(model)[0], config, mesh, state, sampling=SAMPLING)
+  for _ in range(2):
+    state, metrics = step(state, batch)
+  assert _same_tree(state.frozen_params, base)  # the base never moves
+  merged = state.compute_params()
+  moved = {name for name, a, b in _named_pairs(merged, base) if not np.array_equal(a, b)}
+  assert moved == {f"layers.{i}.{part}" for i in range(MODEL.num_layers)
+                   for part in ("attn.q_proj", "attn.o_proj", "mlp.down_proj")}
+  # What the loss differentiated is the merged model: its loss on the merged weights.
+  merged_model = nnx.merge(nnx.split(model)[0], merged)
+  full = rl.LearnerConfig(learning_rate=0.0, schedule="constant")
+  _, merged_metrics, _ = _step(merged_model, full, batch)
+  _, lora_metrics, _ = _step(merged_model, dataclasses.replace(
+      config, learning_rate=0.0), batch)
+  np.testing.assert_allclose(lora_metrics["loss"], merged_metrics["loss"], rtol=1e-6)
+  # Adam state is the adapters' alone.
+  assert sum(x.size for x in jax.tree.leaves(state.opt_state)) < 0.5 * sum(
+      x.size for x in jax.tree.leaves(base))
+
+
+def _same_tree(a, b):
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _named_pairs(a, b):
+  from specrl_jax.rl.lora import _name
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+    yield _name(path), np.asarray(x), np.asarray(y)

@@ -75,3 +75,27 @@ def test_learner_options_are_checked_before_anything_runs():
   learner = config.learner_config()
   assert learner.master_dtype is None and learner.remat == "full"
   assert learner.skip_log_prob_pass is False
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_lora_run_trains_adapters_and_its_rollouts_read_the_merged_weights(tmp_path, mode):
+  config = train_command.parse_argv([
+      "--preset=tiny", "--drafter.kind=none", "--rl.steps=2", f"--rl.mode={mode}",
+      "--rl.max_policy_lag=0", "--output.checkpoint_every=0", "--output.progress=false", "--output.tensorboard=false",
+      f"--output.directory={tmp_path}", "--warm_start.sft_steps=0", "--rl.learning_rate=0.05",
+      "--learner.lora_rank=4", "--learner.lora_targets=q_proj,up_proj"])
+  session = train_command.Session(
+      config, task=tasks.PythonRewardTask(task=config.task.make(), fn=_spread),
+      log=lambda message: None)
+  models = session.warm_start()
+  initial = jax.device_get(nnx.split(models.policy)[1])
+  session.train(models)
+  state = jax.device_get(session.state)
+  assert sorted({name.split(".")[-1] for name in state.params}) == ["q_proj", "up_proj"]
+  assert _same(state.frozen_params, initial)
+  assert not _same(state.compute_params(), initial)
+  records = read_jsonl(tmp_path / "metrics.jsonl")
+  # Step 1's rollout sampled with the merged weights of step 0's update (no lag, also
+  # in async): its log-probs are the learner's up to rounding, which they would not be
+  # with the base weights or stale adapters.
+  assert records[1]["logprob_mismatch_max"] < 1e-4
