@@ -20,8 +20,9 @@ Array = jax.Array
 
 # Activation rematerialisation of each decoder block under differentiation, by name:
 # "none" keeps every activation for the backward pass; "full" keeps only each block's
-# input and recomputes the rest; the others keep matmul outputs (those with no batch
-# dimension: the projections, not attention scores) and recompute the cheap rest.
+# input and recomputes the rest; "dots_saveable" keeps every matmul output (attention
+# scores included) and recomputes the elementwise rest; "dots_with_no_batch_dims_
+# saveable" keeps only the projections' outputs (not the batched attention matmuls).
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
