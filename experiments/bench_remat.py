@@ -1,7 +1,8 @@
 """Peak training memory of the GRPO train step under each remat policy, from the
 compiled program's own memory analysis (``temp_size_in_bytes``: everything the step
 allocates besides its arguments and outputs), with the loss and gradient norm of one
-step to show they do not change.
+step to show they do not change. ``loss_and_grad_temp_bytes`` is the same for the loss
+and its gradient compiled alone, without the optimizer's update around them.
 
   python experiments/bench_remat.py [--layers 8] [--batch 8] [--length 96] [--hidden 32]
 
@@ -31,6 +32,8 @@ from flax import nnx  # noqa: E402
 import specrl_jax as sj  # noqa: E402
 from specrl_jax import parallel, rl  # noqa: E402
 from specrl_jax.models.transformer import REMAT_POLICIES  # noqa: E402
+from specrl_jax.rl.losses import aggregation_weights, valid_token_weights  # noqa: E402
+from specrl_jax.rl.policy_loss import policy_and_drafter_loss  # noqa: E402
 
 SAMPLING = sj.SamplingParams(temperature=1.0)
 
@@ -51,8 +54,14 @@ def measure(config: sj.ModelConfig, batch: rl.Batch, remat: str) -> dict:
   state = rl.init_train_state(params, learner, mesh, rng=jax.random.key(0))
   step = rl.make_train_step(graphdef, learner, mesh, state, sampling=SAMPLING)
   compiled = step.jitted.lower(state, batch).compile()
+  # The loss and its gradient alone (what remat acts on), without the optimizer.
+  loss_fn = policy_and_drafter_loss(graphdef, learner, mesh, None, SAMPLING)
+  grad = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)).lower(
+      state.params, None, state, batch, aggregation_weights(batch.response_mask, learner.loss),
+      valid_token_weights(batch.response_mask)).compile()
   _, metrics = compiled(state, batch)
   return {"temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+          "loss_and_grad_temp_bytes": int(grad.memory_analysis().temp_size_in_bytes),
           "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
 
 
