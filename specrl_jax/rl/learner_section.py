@@ -18,7 +18,8 @@ class LearnerSection:
 
   schedule: the decay after warmup, one of ``rl.optimizer.SCHEDULES`` (constant,
     linear, cosine), from the peak to peak * final_learning_rate_ratio over
-    decay_steps (None: the rest of the run, rl.steps - rl.warmup_steps).
+    decay_steps (None: the rest of the run, rl.steps - rl.warmup_steps; give it
+    explicitly to resume a linear or cosine run with more rl.steps on the same curve).
   num_micro_batches: gradient accumulation, the per-replica batch in this many slices
     (memory, not math).
   kl_beta: weight of the KL term to the initial policy; > 0 keeps a frozen reference
