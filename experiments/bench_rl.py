@@ -15,10 +15,16 @@ engine shape for every arm:
   async (rollout and train on disjoint halves of the devices): samples/s at
         max_policy_lag 1 and 2, with the measured weight-push (sync) time.
 
+The learner runs its log-prob pass in every arm (``--learner.skip_log_prob_pass=false``)
+so the figures compare with earlier runs. ``--log-prob-pass-comparison`` instead runs
+only the sync plain arm twice, with the pass and with the update's own forward giving
+the log-probs (``skip_log_prob_pass``), and reports what skipping saves per step and
+the training-inference mismatch both measured.
+
 Medians over --steps timed steps after --warmup compiled ones. Prints one JSON object.
 
   python experiments/bench_rl.py [--devices=2] [--steps=6] [--warm-from=runs/demo]
-      [--policy=tiny|medium|large] [--prompts-per-step=N]
+      [--policy=tiny|medium|large] [--prompts-per-step=N] [--log-prob-pass-comparison]
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ def _parse():
   parser.add_argument("--policy", choices=("tiny", "medium", "large"), default="tiny")
   parser.add_argument("--prompts-per-step", type=int, default=None,
                       help="default: the demo's 16 (tiny), 4 (a spec_pair policy)")
+  parser.add_argument("--log-prob-pass-comparison", action="store_true",
+                      help="only sync plain, with and without the learner's log-prob pass")
   return parser.parse_args()
 
 
@@ -72,10 +80,12 @@ def _median(values):
   return statistics.median(values) if values else float("nan")
 
 
-def bench_sync(session: Session, models, kind: str, steps: int, warmup: int) -> dict:
+def bench_sync(session: Session, models, kind: str, steps: int, warmup: int,
+               skip_log_prob_pass: bool = False) -> dict:
   config = dataclasses.replace(session.config, drafter=dataclasses.replace(
       session.config.drafter, kind=kind))
   session.config = config
+  session.learner = dataclasses.replace(session.learner, skip_log_prob_pass=skip_log_prob_pass)
   drafter, online = session.drafter_for(models)
   mesh, _ = session.meshes()
   state = session.initial_state(models, online, mesh)
@@ -85,14 +95,14 @@ def bench_sync(session: Session, models, kind: str, steps: int, warmup: int) -> 
                           spec=session.spec if drafter is not None else None,
                           engine=session.engine)
   stages = {name: [] for name in ("generation", "log_prob", "train", "fused_step")}
-  acceptance, tokens = [], []
+  acceptance, tokens, mismatch_mean, mismatch_max = [], [], [], []
   for step in range(warmup + steps):
     prompts = prompts_on_mesh(session.step_prompts(step), mesh)
     rng = session.step_rng(step)
     copy = jax.device_put(jax.tree.map(jnp.copy, state), program.train_step.state_shardings)
     trajectories, generation = _timed(program.rollout_jit, state, prompts, rng)
     batch = trajectories.batch
-    old, log_prob = _timed(program.log_prob_step, state.params, batch.tokens,
+    old, log_prob = _timed(program.log_prob_step, state.compute_params(), batch.tokens,
                            batch.response_mask)
     (_, _), train = _timed(program.train_step.jitted, state, program.learn.batch(trajectories, old))
     (state, metrics), fused = _timed(program.rl_step, copy, prompts, rng)
@@ -102,8 +112,12 @@ def bench_sync(session: Session, models, kind: str, steps: int, warmup: int) -> 
         stages[name].append(value)
       acceptance.append(float(metrics["acceptance_length"]))
       tokens.append(int(metrics["generated_tokens"]))
+      mismatch_mean.append(float(metrics["logprob_mismatch_mean"]))
+      mismatch_max.append(float(metrics["logprob_mismatch_max"]))
   result = {name: _median(values) for name, values in stages.items()}
   result.update(acceptance_length=_median(acceptance), generated_tokens=_median(tokens),
+                logprob_mismatch_mean=_median(mismatch_mean),
+                logprob_mismatch_max=max(mismatch_max, default=float("nan")),
                 samples_per_second=session.rollout_config.group_size
                 * session.rollout_config.prompts_per_step / result["fused_step"])
   return result
@@ -200,6 +214,17 @@ def main() -> int:
             * session.rollout_config.prompts_per_step,
             "engine_slots_per_rollout_shard": config.rl.num_slots,
             "num_draft_tokens": config.drafter.num_draft_tokens, "timed_steps": args.steps}
+  if args.log_prob_pass_comparison:
+    for skip, arm in ((False, "sync_plain"), (True, "sync_plain_skip_log_prob_pass")):
+      log(f"{arm} ...")
+      report[arm] = bench_sync(session, models, "none", args.steps, args.warmup,
+                               skip_log_prob_pass=skip)
+      log(json.dumps(report[arm]))
+    with_pass, skipped = report["sync_plain"], report["sync_plain_skip_log_prob_pass"]
+    report["log_prob_pass_saving_seconds"] = with_pass["fused_step"] - skipped["fused_step"]
+    report["log_prob_pass_step_speedup"] = with_pass["fused_step"] / skipped["fused_step"]
+    print(json.dumps(report, indent=2))
+    return 0
   for kind, arm in (("none", "plain"), ("draft_model", "speculative")):
     log(f"sync {arm} ...")
     report[f"sync_{arm}"] = bench_sync(session, models, kind, args.steps, args.warmup)

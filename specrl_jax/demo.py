@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
+from specrl_jax.compile_cache import cache_directory, persistent_cache
 from specrl_jax.rl.experiment import ExperimentConfig, experiment_config
 from specrl_jax.rl.rollout import make_rollout, rollout_drafter_params
 from specrl_jax.rl.sync import prompts_on_mesh
@@ -147,7 +148,7 @@ def run_demo(config: ExperimentConfig) -> dict:
 
   summary = session.train(models)
   state = session.state
-  after = rollout_speed(session, models, state.params,
+  after = rollout_speed(session, models, state.compute_params(),
                         rollout_drafter_params(drafter, online)(state),
                         label="speed check after RL")
   _report("rollout speed after RL (online-trained drafter)", after)
@@ -176,7 +177,10 @@ def run_demo(config: ExperimentConfig) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  report = run_demo(experiment_config("demo", argv))
+  config = experiment_config("demo", argv)
+  with persistent_cache(cache_directory(config.output.compilation_cache,
+                                        config.output.directory)):
+    report = run_demo(config)
   print("reward rose over the run" if report["reward_rose"] else
         "reward did not rise over this run (RL on a tiny policy is noisy; see the plots)")
   return 0

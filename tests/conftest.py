@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache unless a test asks for one: `specrl train` would
+# otherwise open one beside each test's output directory, shared between tests.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 
 
 import jax  # noqa: E402

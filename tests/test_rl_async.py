@@ -72,6 +72,10 @@ def test_no_update_trains_on_trajectories_older_than_the_bound(pipeline, lag):
   for record in records:
     assert np.isfinite(record.metrics["loss"]) and record.metrics["rewards_finite"]
     assert record.metrics["acceptance_length"] > 1.0
+    # Every step measures the training-inference mismatch (here with the lag in it).
+    assert 0 <= record.metrics["logprob_mismatch_mean"] <= record.metrics["logprob_mismatch_max"]
+    assert np.isfinite(record.metrics["logprob_mismatch_max"])
+  assert records[0].metrics["logprob_mismatch_max"] < 1e-4  # lag 0: rounding only
   assert int(records[-1].state.step) == 5
 
 

@@ -71,6 +71,9 @@ def test_one_rl_step_is_one_jitted_call_with_no_host_transfer(speculative):
   assert 0 < metrics["slot_utilization"] <= 1
   assert len(metrics["per_position_acceptance"]) == 3
   assert metrics["generated_tokens"] >= ROLLOUT.group_size * ROLLOUT.prompts_per_step
+  # The training-inference mismatch of a float32 on-policy step: rounding only.
+  assert 0 <= metrics["logprob_mismatch_mean"] <= metrics["logprob_mismatch_max"] < 1e-4
+  assert 1 <= metrics["token_mult_prob_error"] < 1 + 1e-4
   # The online drafter loss moved the drafter the next rollout drafts with (the policy
   # moves only when a group's rewards differ, which a random policy rarely manages).
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(drafter_before),

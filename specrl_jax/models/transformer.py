@@ -18,6 +18,18 @@ from specrl_jax.models.attention import CausalNoCache, KVBackend
 
 Array = jax.Array
 
+# Activation rematerialisation of each decoder block under differentiation, by name:
+# "none" keeps every activation for the backward pass; "full" keeps only each block's
+# input and recomputes the rest; "dots_saveable" keeps every matmul output (attention
+# scores included) and recomputes the elementwise rest; "dots_with_no_batch_dims_
+# saveable" keeps only the projections' outputs (not the batched attention matmuls).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
   # Drawn in the param dtype itself: a bfloat16 model never has a float32 copy.
@@ -139,6 +151,20 @@ class Block(nnx.Module):
     return x_BxTxD + self.mlp(self.post_attention_norm(x_BxTxD)), kv
 
 
+def _run_block(block: Block, remat: str, x_BxTxD, cos_BxTxF, sin_BxTxF, layer: int,
+               kv: KVBackend):
+  if REMAT_POLICIES[remat] is None:
+    return block(x_BxTxD, cos_BxTxF, sin_BxTxF, layer, kv)
+  # Functional around the block: jax.checkpoint needs its weights as arguments.
+  graphdef, weights = nnx.split(block)
+
+  def run(weights, x_BxTxD, cos_BxTxF, sin_BxTxF, kv):
+    return nnx.merge(graphdef, weights)(x_BxTxD, cos_BxTxF, sin_BxTxF, layer, kv)
+
+  return jax.checkpoint(run, policy=REMAT_POLICIES[remat])(weights, x_BxTxD, cos_BxTxF,
+                                                            sin_BxTxF, kv)
+
+
 @flax.struct.dataclass
 class ForwardOutput:
   """What one forward pass produces.
@@ -182,16 +208,20 @@ class Transformer(nnx.Module):
 
   def forward(self, tokens_BxT: Array, *, positions_BxT: Array | None = None,
               kv: KVBackend | None = None, hidden_layers: tuple[int, ...] = (),
-              compute_logits: bool = True, inputs_embeds_BxTxD: Array | None = None
-              ) -> ForwardOutput:
+              compute_logits: bool = True, inputs_embeds_BxTxD: Array | None = None,
+              remat: str = "none") -> ForwardOutput:
     """Runs the decoder.
 
     positions_BxT: absolute positions (default 0..T-1), used by RoPE and by KV backends.
     kv: where keys/values go; default is causal attention over this call's tokens only.
     hidden_layers: 0-based indices of layers whose outputs to return.
     inputs_embeds_BxTxD: replaces the token embedding lookup when given.
+    remat: a name in REMAT_POLICIES: what each block keeps for differentiation (the
+      values are the same whatever it is; only memory and recomputation change).
     """
     c = self.config
+    if remat not in REMAT_POLICIES:
+      raise ConfigError(f"remat={remat!r} is invalid: expected one of {sorted(REMAT_POLICIES)}.")
     for index in hidden_layers:
       if not 0 <= index < c.num_layers:
         raise ConfigError(f"hidden_layers contains {index}: expected indices in "
@@ -204,7 +234,7 @@ class Transformer(nnx.Module):
     cos_BxTxF, sin_BxTxF = rope_tables(c, positions_BxT)
     layer_hidden = []
     for layer, block in enumerate(self.layers):
-      x_BxTxD, kv = block(x_BxTxD, cos_BxTxF, sin_BxTxF, layer, kv)
+      x_BxTxD, kv = _run_block(block, remat, x_BxTxD, cos_BxTxF, sin_BxTxF, layer, kv)
       if layer in hidden_layers:
         layer_hidden.append(x_BxTxD)
     ordered = tuple(layer_hidden[sorted(hidden_layers).index(i)] for i in hidden_layers)

@@ -158,10 +158,11 @@ class AsyncPipeline:
     """The rollout's copy of the policy (and drafter) weights: a reshard onto the
     rollout mesh, split over its "tensor" axis and whole along its batch axes (each
     rollout shard decodes with the whole of its tensor slice); a small drafter is
-    replicated there."""
+    replicated there. The weights go in the model's compute dtype (cast from the master
+    copies before the transfer: half the bytes of float32 for a bfloat16 model)."""
     drafter = self._drafter_params(state)
-    return distributed.transfer((state.params, drafter), self._rollout_layout(
-        state.params, drafter))
+    params = state.compute_params()
+    return distributed.transfer((params, drafter), self._rollout_layout(params, drafter))
 
   def _rollout_layout(self, params, drafter_params):
     mesh = self.rollout_mesh

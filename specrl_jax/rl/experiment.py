@@ -17,6 +17,7 @@ from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, check, i
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.data_section import DataSection
 from specrl_jax.rl.learner import LearnerConfig
+from specrl_jax.rl.learner_section import LearnerSection
 from specrl_jax.rl.losses import GRPOConfig
 from specrl_jax.rl.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
@@ -217,10 +218,20 @@ class RLSection:
     return EngineConfig(num_slots=self.num_slots, memory_budget_bytes=self.memory_budget_bytes,
                         memory_fraction=self.memory_fraction)
 
-  def learner(self) -> LearnerConfig:
-    return LearnerConfig(learning_rate=self.learning_rate, schedule="constant",
-                         warmup_steps=self.warmup_steps, max_grad_norm=1.0,
-                         loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+  def learner(self, section: LearnerSection = LearnerSection()) -> LearnerConfig:
+    """The learner's config: this section's rate, warmup and clipping with
+    ``section``'s schedule, batching, KL and precision."""
+    return section.config(
+        learning_rate=self.learning_rate, steps=self.steps, warmup_steps=self.warmup_steps,
+        loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+
+  def samples_per_replica(self) -> int:
+    """Rows of one step's batch on each learner replica (data * fsdp of its mesh)."""
+    if self.mode == "async":
+      replicas = self.train_devices // self.mesh[2]
+    else:
+      replicas = self.mesh[0] * self.mesh[1]
+    return self.group_size * self.prompts_per_step // max(replicas, 1)
 
   def rollout(self, max_new_tokens: int,
               stop_token_ids: tuple[int, ...] = (tokenizer.EOS_ID,)) -> RolloutConfig:
@@ -238,6 +249,9 @@ class OutputSection:
   keep_checkpoints: the newest this many are kept (at least 1: the one resume uses).
   collapse_window: steps in a row of zero gradient norm and constant reward after
     which the ``collapse_warning`` metric turns on and the console says so once.
+  compilation_cache: JAX's persistent compilation cache for `specrl train` and the
+    demo: "auto" (``<parent of directory>/jax_compilation_cache``), "off", or a
+    folder; a cache set by JAX_COMPILATION_CACHE_DIR wins (``specrl_jax.compile_cache``).
   """
   directory: str = "runs/train"
   checkpoint_every: int = 10
@@ -247,6 +261,7 @@ class OutputSection:
   plots: bool = True
   progress: bool = True
   collapse_window: int = 5
+  compilation_cache: str = "auto"
 
   def __post_init__(self):
     owner = "OutputSection"
@@ -258,6 +273,8 @@ class OutputSection:
     for name in ("resume", "tensorboard", "plots", "progress"):
       check(isinstance(getattr(self, name), bool), owner, name, getattr(self, name),
             "True or False")
+    check(isinstance(self.compilation_cache, str), owner, "compilation_cache",
+          self.compilation_cache, '"auto", "off" or a folder')
     _non_negative(owner, "collapse_window", self.collapse_window,
                   "an integer >= 0 (steps of zero gradient and constant reward before a "
                   "collapse warning; 0 = never warn)")
@@ -271,7 +288,17 @@ class ExperimentConfig:
   data: DataSection = DataSection()
   warm_start: WarmStartSection = WarmStartSection()
   rl: RLSection = RLSection()
+  learner: LearnerSection = LearnerSection()
   output: OutputSection = OutputSection()
+
+  def __post_init__(self):
+    micro, rows = self.learner.num_micro_batches, self.rl.samples_per_replica()
+    check(rows % micro == 0, "LearnerSection", "num_micro_batches", micro,
+          f"a divisor of the {rows} samples each learner replica trains on per step "
+          f"(rl.group_size * rl.prompts_per_step / data-parallel replicas)")
+
+  def learner_config(self) -> LearnerConfig:
+    return self.rl.learner(self.learner)
 
 
 PRESETS: dict[str, ExperimentConfig] = {

@@ -3,7 +3,9 @@
     learn(state, trajectories) -> (state, metrics)
 
 rewards -> group advantages -> the learner's log-probs of the rollout's tokens (the
-ratio's denominator, with the trainer's numerics) -> the update. The sync step traces
+ratio's denominator, with the trainer's numerics; skipped with
+``LearnerConfig.skip_log_prob_pass``, the update's forward then supplies them) -> the
+update. The sync step traces
 it inside its one jit, ``RLProgram.train_jit`` jits it alone, and the async pipeline
 jits it on the train mesh: one function, so the three cannot drift apart.
 """
@@ -50,7 +52,10 @@ class LearnStep:
   def __call__(self, state: TrainState, trajectories: Trajectories):
     """Traceable: the learner's log-probs with the state's weights, then the update."""
     rows = trajectories.batch
-    old_logprobs_BxT = self.log_prob_step(state.params, rows.tokens, rows.response_mask)
+    old_logprobs_BxT = None  # the update's own forward supplies them (LearnerConfig)
+    if not self.train_step.config.skip_log_prob_pass:
+      old_logprobs_BxT = self.log_prob_step(state.compute_params(), rows.tokens,
+                                            rows.response_mask)
     return self.train_step.jitted(state, self.batch(trajectories, old_logprobs_BxT))
 
 
@@ -63,5 +68,7 @@ def make_learn_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   return LearnStep(
       train_step=make_train_step(graphdef, config, mesh, state, sampling=sampling,
                                  drafter=drafter),
-      log_prob_step=make_log_prob_step(graphdef, mesh, state.params, sampling=sampling),
+      # Shaped like the weights the model computes with (merged, with LoRA).
+      log_prob_step=make_log_prob_step(graphdef, mesh, jax.eval_shape(
+          lambda state: state.compute_params(), state), sampling=sampling),
       group_size=rollout.group_size)

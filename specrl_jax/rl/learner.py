@@ -7,7 +7,9 @@ graphdef and a parameter state; everything that changes during training lives in
 shardings, the state donated, and micro-batches accumulated with ``lax.scan``. An
 update that would make any weight or optimizer moment non-finite is not kept
 (``rl.numerics``): the step returns its input state and says so in its metrics. The
-optimizer and its config live in ``rl.optimizer``.
+optimizer and its config live in ``rl.optimizer``; the loss in ``rl.policy_loss``.
+Weights and optimizer moments are float32 master copies whatever the model computes
+in (``rl.precision``).
 
 An optional drafter (EAGLE-3 / MTP heads trained online) rides along: its params and
 optimizer state sit in the train state, and its loss reads the policy forward's
@@ -17,10 +19,9 @@ optimizer state sit in the train state, and its loss reads the policy forward's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -28,17 +29,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import SamplingParams, check
-from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.parallel.mesh import BATCH_AXES, batch_sharding, data_parallel_size, replicated
 from specrl_jax.parallel.rules import TRANSFORMER_RULES, PartitionRules, named_shardings
+from specrl_jax.rl import lora, precision
 from specrl_jax.rl.logprobs import token_log_probs
-from specrl_jax.rl.losses import (
-    aggregation_weights, combine_metrics, grpo_loss, valid_token_weights,
-)
+from specrl_jax.rl.losses import aggregation_weights, combine_metrics, valid_token_weights
 from specrl_jax.rl.numerics import keep_if_finite
 from specrl_jax.rl.optimizer import (  # noqa: F401  (re-exported: the learner's config)
     SCHEDULES, LearnerConfig, drafter_peak, learning_rate_schedule, make_optimizer,
     non_negative_int,
+)
+from specrl_jax.rl.policy_loss import (  # noqa: F401  (check_warp re-exported)
+    check_warp, policy_and_drafter_loss, policy_forward,
+)
+from specrl_jax.rl.train_state import (  # noqa: F401  (re-exported: the learner's data)
+    Batch, DrafterLossFn, DrafterObjective, TrainState,
 )
 
 Array = jax.Array
@@ -47,76 +52,6 @@ Array = jax.Array
 
 
 # ----------------------------------------------------------------------------- state
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything a training run updates, as one pytree (sharded, checkpointed whole).
-
-  rng holds raw key data (uint32), which checkpoints as a plain array; it is advanced
-  once per step for stochastic objectives.
-  """
-  step: Array
-  params: Any
-  opt_state: Any
-  rng: Array
-  ref_params: Any = None
-  drafter_params: Any = None
-  drafter_opt_state: Any = None
-
-
-@flax.struct.dataclass
-class Batch:
-  """One training batch of B right-padded rows of prompt + response tokens.
-
-  tokens: int32 [B, T]; response_mask: [B, T], true on response tokens (never at t=0);
-  advantages: float32 [B];
-  old_logprobs: float32 [B, T], the denominator of the ratio: the learner's own
-    log-probs of the tokens (``rl.learn_step`` sets them; None until then);
-  ref_logprobs: optional float32 [B, T] reference log-probs (else computed from the
-    state's ref_params when present);
-  rollout_logprobs: optional float32 [B, T] the sampler's log-probs, for the truncated
-    IS correction (GRPOConfig.tis_cap).
-  A rollout's batch holds tokens, mask and rollout_logprobs; the learner fills in
-  advantages and old_logprobs. The train step needs both.
-  """
-  tokens: Array
-  response_mask: Array
-  advantages: Array | None = None
-  old_logprobs: Array | None = None
-  ref_logprobs: Array | None = None
-  rollout_logprobs: Array | None = None
-
-
-DrafterLossFn = Callable[[Any, ForwardOutput, Batch], tuple[Array, Mapping[str, Array]]]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DrafterObjective:
-  """How a drafter trains alongside the policy.
-
-  loss_fn(drafter_params, policy_output, batch) -> (loss, metrics): policy_output is
-    the policy's ForwardOutput with gradients stopped; its layer_hidden holds the
-    layers named in ``hidden_layers``.
-  The train step minimises policy loss + loss_weight * drafter loss. With several
-  micro-batches the drafter loss and metrics are averaged over them, so a loss that
-  is a mean over a micro-batch should divide by a per-row constant to stay exact.
-  Drafter params are sharded by the same path rules (an "lm_head" leaf like the
-  policy's, anything unmatched replicated).
-  """
-
-  loss_fn: DrafterLossFn
-  hidden_layers: tuple[int, ...] = ()
-  loss_weight: float = 1.0
-
-  def __post_init__(self):
-    owner = "DrafterObjective"
-    check(callable(self.loss_fn), owner, "loss_fn", self.loss_fn,
-          "a function (drafter_params, ForwardOutput, Batch) -> (loss, metrics)")
-    check(isinstance(self.hidden_layers, tuple)
-          and all(non_negative_int(i) for i in self.hidden_layers),
-          owner, "hidden_layers", self.hidden_layers, "a tuple of layer indices >= 0")
-    check(self.loss_weight >= 0, owner, "loss_weight", self.loss_weight, ">= 0")
-
 
 def train_state_shardings(state: TrainState, mesh: Mesh,
                           rules: PartitionRules = TRANSFORMER_RULES) -> TrainState:
@@ -135,12 +70,24 @@ def _state_builder(params, config: LearnerConfig, *, rng: Array, with_reference:
   def build(params_in, drafter_in, rng_in):
     policy = params() if callable(params) else params_in
     drafter = drafter_params() if callable(drafter_params) else drafter_in
+    if config.lora is None:
+      master, frozen = precision.master_copy(policy, config.master_dtype), None
+      compute_dtypes = precision.compute_dtypes_if_changed(policy, master)
+    else:  # the adapters train (in float32); the base is frozen in its own dtype
+      master, frozen, compute_dtypes = lora.init_adapters(
+          policy, config.lora, jax.random.fold_in(jax.random.wrap_key_data(rng_in), 1),
+          jnp.dtype(config.master_dtype or "float32")), policy, None
+    drafter_master = precision.master_copy(drafter, config.master_dtype)
     return TrainState(
-        step=jnp.zeros((), jnp.int32), params=policy, opt_state=policy_tx.init(policy),
+        step=jnp.zeros((), jnp.int32), params=master, opt_state=policy_tx.init(master),
         rng=rng_in,
+        # Frozen, so kept in the model's own dtype: it never takes an update to lose.
         ref_params=jax.tree.map(jnp.copy, policy) if with_reference else None,
-        drafter_params=drafter,
-        drafter_opt_state=None if drafter is None else drafter_tx.init(drafter))
+        drafter_params=drafter_master,
+        drafter_opt_state=None if drafter is None else drafter_tx.init(drafter_master),
+        frozen_params=frozen, compute_dtypes=compute_dtypes,
+        drafter_compute_dtypes=precision.compute_dtypes_if_changed(drafter, drafter_master),
+        lora=config.lora)
 
   # Functions are traced inside build; arrays are passed in (never baked as constants).
   args = (None if callable(params) else params,
@@ -171,6 +118,8 @@ def init_train_state(params, config: LearnerConfig, mesh: Mesh, *, rng: Array,
     shardings, so every device creates only its own shard: the way to initialise on a
     multi-host mesh, where no single host can hold the model.
   with_reference: keep a frozen copy of the initial policy for the KL term.
+  The weights are kept in ``config.master_dtype`` (``rl.precision``); the dtypes they
+  came in are the ones the model computes in.
   """
   build, args = _state_builder(params, config, rng=rng, with_reference=with_reference,
                                drafter_params=drafter_params)
@@ -185,9 +134,11 @@ def validate_batch(batch: Batch, mesh: Mesh, config: LearnerConfig) -> None:
   tokens_shape = tuple(batch.tokens.shape)
   check(len(tokens_shape) == 2, "Batch", "tokens.shape", tokens_shape, "[B, T]")
   rows = tokens_shape[0]
-  for name in ("advantages", "old_logprobs"):
-    check(getattr(batch, name) is not None, "Batch", name, None,
-          "an array (the learner sets it: rl.learn_step)")
+  check(batch.advantages is not None, "Batch", "advantages", None,
+        "an array (the learner sets it: rl.learn_step)")
+  check(batch.old_logprobs is not None or config.skip_log_prob_pass, "Batch",
+        "old_logprobs", None, "an array (the learner sets it: rl.learn_step), or None "
+        "with LearnerConfig.skip_log_prob_pass=True")
   for name in ("response_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
     value = getattr(batch, name)
     if value is not None:
@@ -219,72 +170,6 @@ def _split_micro_batches(tree, num_micro_batches: int, mesh: Mesh):
     return jax.lax.with_sharding_constraint(jnp.swapaxes(x, 0, 1), sharding)
 
   return jax.tree.map(split, tree)
-
-
-def _detached(out: ForwardOutput) -> ForwardOutput:
-  stop = jax.lax.stop_gradient
-  return ForwardOutput(logits=stop(out.logits), hidden=stop(out.hidden),
-                       layer_hidden=tuple(stop(h) for h in out.layer_hidden), kv=out.kv)
-
-
-def _forward(model, tokens_BxT: Array, hidden_layers: tuple[int, ...], mesh: Mesh
-             ) -> ForwardOutput:
-  """The policy forward with activations pinned to batch sharding at both ends.
-
-  Without the pins the partitioner may split activations over fsdp (the weights'
-  layout) instead of gathering weights, which is FSDP turned inside out.
-  """
-  rows = NamedSharding(mesh, P(BATCH_AXES))
-  # Gather the (fsdp-sharded) table whole before the lookup, as FSDP does for every
-  # weight; a lookup into a D-sharded table would yield D-sharded activations.
-  table_VxD = jax.lax.with_sharding_constraint(model.embed[...], NamedSharding(mesh, P()))
-  embeds_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0).astype(jnp.dtype(model.config.dtype))
-  embeds_BxTxD = jax.lax.with_sharding_constraint(embeds_BxTxD, rows)
-  out = model.forward(tokens_BxT, hidden_layers=hidden_layers,
-                      inputs_embeds_BxTxD=embeds_BxTxD)
-  return out.replace(logits=jax.lax.with_sharding_constraint(out.logits, rows),
-                     hidden=jax.lax.with_sharding_constraint(out.hidden, rows))
-
-
-def check_warp(sampling: SamplingParams, owner: str) -> None:
-  """The rollout's warp, which the learner's log-probs reuse, must sample: greedy
-  log-probs have no gradient."""
-  check(isinstance(sampling, SamplingParams) and not sampling.greedy, owner, "sampling",
-        sampling, "SamplingParams with temperature > 0 (greedy log-probs have no gradient)")
-
-
-def _policy_and_drafter_loss(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
-                             drafter: DrafterObjective | None, sampling: SamplingParams):
-  """loss(params, drafter_params, ref_params, micro_batch, weights) for value_and_grad."""
-  hidden_layers = () if drafter is None else drafter.hidden_layers
-  micro_batches = config.num_micro_batches
-
-  def loss_fn(params, drafter_params, ref_params, batch: Batch, token_weights_BxT,
-              metric_weights_BxT):
-    out = _forward(nnx.merge(graphdef, params), batch.tokens, hidden_layers, mesh)
-    logprobs_BxT = token_log_probs(out.logits, batch.tokens, batch.response_mask,
-                                   sampling)
-    ref_logprobs_BxT = batch.ref_logprobs
-    if ref_logprobs_BxT is None and ref_params is not None:
-      ref_logits = _forward(nnx.merge(graphdef, ref_params), batch.tokens, (), mesh).logits
-      ref_logprobs_BxT = jax.lax.stop_gradient(token_log_probs(
-          ref_logits, batch.tokens, batch.response_mask, sampling))
-    loss, metrics = grpo_loss(
-        logprobs_BxT, batch.old_logprobs, batch.advantages, batch.response_mask,
-        ref_logprobs=ref_logprobs_BxT, rollout_logprobs=batch.rollout_logprobs,
-        config=config.loss, token_weights=token_weights_BxT,
-        metric_weights=metric_weights_BxT)
-    metrics = dict(metrics, loss=loss)
-    drafter_metrics = {}
-    total = loss
-    if drafter is not None:
-      drafter_loss, drafter_metrics = drafter.loss_fn(drafter_params, _detached(out), batch)
-      drafter_metrics = dict(drafter_metrics, loss=drafter_loss)
-      # Each micro-batch's drafter loss is its own mean: average them.
-      total = total + drafter.loss_weight * drafter_loss / micro_batches
-    return total, (metrics, drafter_metrics)
-
-  return loss_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +210,7 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   drafter_tx = make_optimizer(config, drafter_peak(config))
   schedule = learning_rate_schedule(config)
   state_shardings = train_state_shardings(state, mesh, rules)
-  loss_fn = _policy_and_drafter_loss(graphdef, config, mesh, drafter, sampling)
+  loss_fn = policy_and_drafter_loss(graphdef, config, mesh, drafter, sampling)
   grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
   micro_batches = config.num_micro_batches
 
@@ -341,8 +226,7 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
         (state_shardings.params, state_shardings.drafter_params))
 
     def accumulate(grads, micro_batch):
-      (_, aux), grads_now = grad_fn(state.params, state.drafter_params, state.ref_params,
-                                    *micro_batch)
+      (_, aux), grads_now = grad_fn(state.params, state.drafter_params, state, *micro_batch)
       return jax.tree.map(jnp.add, grads, grads_now), aux
 
     (policy_grads, drafter_grads), (metrics, drafter_metrics) = jax.lax.scan(
@@ -387,7 +271,7 @@ def make_log_prob_step(graphdef: nnx.GraphDef, mesh: Mesh, params, *,
   param_shardings = named_shardings(params, mesh, rules)
 
   def log_probs(params, tokens_BxT, response_mask_BxT):
-    logits = _forward(nnx.merge(graphdef, params), tokens_BxT, (), mesh).logits
+    logits = policy_forward(nnx.merge(graphdef, params), tokens_BxT, (), mesh).logits
     return token_log_probs(logits, tokens_BxT, response_mask_BxT, sampling)
 
   rows = batch_sharding(mesh)

@@ -205,6 +205,7 @@ def grpo_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Arr
 METRIC_REDUCTIONS: dict[str, Callable[[Array], Array]] = {
     "ratio_max": jnp.max,
     "ratio_min": jnp.min,
+    "logprob_mismatch_max": jnp.max,
 }
 
 

@@ -1,4 +1,5 @@
-"""The GRPO learner's configuration: optimizer, learning-rate schedule, micro-batching.
+"""The GRPO learner's configuration: optimizer, learning-rate schedule, micro-batching,
+precision and rematerialisation.
 
 Every float field must be a finite number: an infinite learning rate or epsilon would
 train NaN weights from the first update.
@@ -13,7 +14,10 @@ import jax
 import optax
 
 from specrl_jax.config import check, is_finite_number
+from specrl_jax.models.transformer import REMAT_POLICIES
+from specrl_jax.rl.lora import LoRAConfig
 from specrl_jax.rl.losses import GRPOConfig
+from specrl_jax.rl.precision import MASTER_DTYPES
 
 Array = jax.Array
 Schedule = Callable[[Array], Array]
@@ -56,6 +60,17 @@ class LearnerConfig:
   max_grad_norm: global-norm clipping threshold, None to disable.
   drafter_learning_rate: peak learning rate of the drafter's optimizer (None: the
     policy's); the drafter shares schedule shape, Adam and clipping settings.
+  master_dtype: the dtype of the train state's weights and optimizer moments, "float32"
+    (default) or None to keep the model's own; the loss and the rollout read the
+    weights cast back to the model's dtype (``rl.precision``).
+  remat: what each decoder block keeps for the backward pass, a name in
+    ``models.transformer.REMAT_POLICIES`` ("none", "full", "dots_saveable", ...):
+    memory, not math.
+  skip_log_prob_pass: take the ratio's denominator (``Batch.old_logprobs``) from the
+    update's own forward, detached, instead of a separate log-prob pass. Exact here:
+    each batch gets one update, so the pass would compute the same values with the
+    same weights; it saves one forward over the batch.
+  lora: train LoRA adapters on a frozen base instead of every weight (``rl.lora``).
   """
 
   learning_rate: float = 1e-6
@@ -71,6 +86,10 @@ class LearnerConfig:
   num_micro_batches: int = 1
   loss: GRPOConfig = GRPOConfig()
   drafter_learning_rate: float | None = None
+  master_dtype: str | None = "float32"
+  remat: str = "none"
+  skip_log_prob_pass: bool = False
+  lora: LoRAConfig | None = None
 
   def __post_init__(self):
     owner = "LearnerConfig"
@@ -99,6 +118,14 @@ class LearnerConfig:
           or (is_finite_number(self.drafter_learning_rate) and self.drafter_learning_rate >= 0),
           owner, "drafter_learning_rate", self.drafter_learning_rate,
           "None or a finite number >= 0")
+    check(self.master_dtype in MASTER_DTYPES, owner, "master_dtype", self.master_dtype,
+          f"one of {MASTER_DTYPES} (None: the model's own dtype)")
+    check(self.remat in REMAT_POLICIES, owner, "remat", self.remat,
+          f"one of {sorted(REMAT_POLICIES)}")
+    check(isinstance(self.skip_log_prob_pass, bool), owner, "skip_log_prob_pass",
+          self.skip_log_prob_pass, "True or False")
+    check(self.lora is None or isinstance(self.lora, LoRAConfig), owner, "lora", self.lora,
+          "None (train every weight) or a LoRAConfig")
 
 
 def learning_rate_schedule(config: LearnerConfig, peak: float | None = None) -> Schedule:

@@ -24,7 +24,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from specrl_jax.config import SamplingParams, SpecConfig, check, check_positive_int
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
-from specrl_jax.rl.learner import Batch, check_warp
+from specrl_jax.rl.policy_loss import check_warp
+from specrl_jax.rl.train_state import Batch
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
@@ -217,6 +218,6 @@ def rollout_drafter_params(drafter: Drafter | None, online: OnlineDrafter | None
   if drafter is None:
     return lambda state: ()
   if online is not None:
-    return lambda state: online.rollout_params(state.drafter_params)
+    return lambda state: online.rollout_params(state.compute_drafter_params())
   static = drafter.params()
   return lambda state: static

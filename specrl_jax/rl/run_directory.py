@@ -25,9 +25,11 @@ CONFIG = "config.json"
 WARM_START_KEY = "key.json"
 
 # What a resumed run may change: how long it runs, where it runs (checkpoints restore
-# onto any mesh), and what it writes. Anything else would continue one experiment's
-# state under another's settings.
-RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices", "output.",
+# onto any mesh), how the learner trades memory for compute (remat, micro-batches:
+# the same update either way), what it writes and how often it evaluates. Anything else
+# would continue one experiment's state under another's settings.
+RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices",
+             "learner.remat", "learner.num_micro_batches", "output.",
              "data.eval_every", "data.eval_k", "data.eval_max_prompts")
 
 

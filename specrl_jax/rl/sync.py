@@ -75,7 +75,8 @@ class RLProgram:
   def rollout_jit(self):
     """The rollout alone, jitted: ``(state, prompts, rng) -> Trajectories``."""
     return jax.jit(lambda state, prompts, rng: self.rollout(
-        state.params, self.rollout_drafter_params(state), prompts, rng, state.step),
+        state.compute_params(), self.rollout_drafter_params(state), prompts, rng,
+        state.step),
         in_shardings=(self.train_step.state_shardings, self.rows, self.replicated))
 
   @functools.cached_property
@@ -116,7 +117,8 @@ def build_program(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lea
   max_new = rollout_config.sampling.max_new_tokens
 
   def rl_step(state: TrainState, prompts: PromptBatch, rng):
-    trajectories = rollout(state.params, drafter_params(state), prompts, rng, state.step)
+    trajectories = rollout(state.compute_params(), drafter_params(state), prompts, rng,
+                           state.step)
     new_state, metrics = learn(state, trajectories)
     return new_state, dict(metrics, **rollout_metrics(trajectories, max_new))
 

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
+from specrl_jax.compile_cache import cache_directory, persistent_cache
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
@@ -71,7 +72,7 @@ class Session:
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
-    self.learner = config.rl.learner()
+    self.learner = config.learner_config()
     self.rollout_config = config.rl.rollout(self.task.max_response_tokens,
                                             self.text_tokenizer.eos_ids)
     self.engine = config.rl.engine()
@@ -168,12 +169,18 @@ class Session:
     params = jax.device_get(nnx.split(models.policy)[1])
     drafter = jax.device_get(online.trainable) if online else None
     return init_train_state(params, self.learner, mesh, rng=jax.random.key(self.config.rl.seed),
-                            drafter_params=drafter)
+                            with_reference=self.with_reference, drafter_params=drafter)
 
   def _abstract_state(self, models: Models, online: OnlineDrafter | None, mesh) -> TrainState:
     return abstract_train_state(nnx.split(models.policy)[1], self.learner, mesh,
                                 rng=jax.random.key(self.config.rl.seed),
+                                with_reference=self.with_reference,
                                 drafter_params=online.trainable if online else None)
+
+  @property
+  def with_reference(self) -> bool:
+    """A KL term needs the frozen initial policy in the train state."""
+    return self.learner.loss.beta > 0
 
   def checkpoint_mesh(self, train_mesh):
     return checkpoint_mesh(train_mesh)
@@ -380,8 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               "the run configuration")
     session = Session(config, log=print if distributed.is_primary() else _quiet)
     session.check()  # what cannot work fails now, not after the warm start
-    models = session.warm_start()
-    summary = session.train(models)
+    with persistent_cache(cache_directory(config.output.compilation_cache,
+                                          config.output.directory)):
+      models = session.warm_start()
+      summary = session.train(models)
   except (ConfigError, TrainingDivergedError, RewardFunctionError, StalePolicyError,
           PagePoolExhaustedError, DistributedError) as error:
     print(f"specrl train: {type(error).__name__}: {error}", file=sys.stderr)
