@@ -212,7 +212,7 @@ def main() -> int:
   report = {"policy": args.policy, "policy_params": models.policy.config.num_params(),
             "devices": devices, "samples_per_step": session.rollout_config.group_size
             * session.rollout_config.prompts_per_step,
-            "engine_slots_per_rollout_shard": config.rl.num_slots,
+            "engine_slots_per_rollout_shard": config.rl.engine.num_slots,
             "num_draft_tokens": config.drafter.num_draft_tokens, "timed_steps": args.steps}
   if args.log_prob_pass_comparison:
     for skip, arm in ((False, "sync_plain"), (True, "sync_plain_skip_log_prob_pass")):

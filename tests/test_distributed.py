@@ -38,7 +38,7 @@ TRAIN_ARGS = ["--preset=tiny", "--policy.num_layers=1", "--warm_start.sft_steps=
               "--rl.steps=2", "--rl.mesh=2,2,2", "--rl.prompts_per_step=4",
               # One slot per shard: the decode order whose samples earn some reward
               # (the tiny preset's num_slots=0 now gives each sample its own slot).
-              "--rl.num_slots=1",
+              "--rl.engine.num_slots=1",
               "--output.checkpoint_every=0", "--output.tensorboard=false",
               "--output.progress=false"]
 TIMING = ("step_seconds", "samples_per_second", "tokens_per_second")

@@ -187,7 +187,7 @@ def test_an_update_that_would_be_non_finite_is_not_kept_by_the_train_step():
 
 
 def test_a_non_finite_update_stops_the_run_before_any_checkpoint(tmp_path):
-  session = _session(tmp_path, "--rl.learning_rate=1e39", "--output.checkpoint_every=1")
+  session = _session(tmp_path, "--learner.learning_rate=1e39", "--output.checkpoint_every=1")
   with pytest.raises(train_command.TrainingDivergedError,
                      match=r"step 0: the update made params\[.*non-finite \(its first such "
                            r"leaf; loss=.*no checkpoint had been written yet"):
@@ -234,10 +234,10 @@ def test_collapse_is_a_warning_and_resume_skips_a_non_finite_checkpoint(tmp_path
 # ---------------------------------------------------------------- overrides and records
 
 @pytest.mark.parametrize("override, message", [
-    ("--rl.learning_rate=inf", "RLSection.learning_rate=inf is invalid: expected a finite"),
-    ("--rl.learning_rate=nan", "RLSection.learning_rate=nan is invalid"),
+    ("--learner.learning_rate=inf", "LearnerConfig.learning_rate=inf is invalid: expected a finite"),
+    ("--learner.learning_rate=nan", "LearnerConfig.learning_rate=nan is invalid"),
     ("--rl.temperature=inf", "RLSection.temperature=inf is invalid"),
-    ("--rl.tis_cap=inf", "RLSection.tis_cap=inf is invalid"),
+    ("--learner.loss.tis_cap=inf", "GRPOConfig.tis_cap=inf is invalid"),
     ("--warm_start.sft_learning_rate=inf", "WarmStartSection.sft_learning_rate=inf"),
     ("--drafter.loss_weight=nan", "DrafterSection.loss_weight=nan"),
     ("--output.keep_checkpoints=0", "OutputSection.keep_checkpoints=0 is invalid"),

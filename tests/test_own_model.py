@@ -101,7 +101,7 @@ def _train_argv(ws, steps):
           "--data.eval_every=5", "--data.eval_k=2", "--data.eval_max_prompts=4",
           f"--data.max_response_tokens={MAX_RESPONSE}", "--data.max_prompt_tokens=96",
           f"--rl.steps={steps}", f"--rl.prompts_per_step={PROMPTS_PER_STEP}",
-          "--rl.group_size=2", "--rl.learning_rate=1e-3", "--drafter.kind=none",
+          "--rl.group_size=2", "--learner.learning_rate=1e-3", "--drafter.kind=none",
           "--output.progress=false", "--output.tensorboard=false", "--output.plots=false",
           f"--output.directory={ws['root'] / 'run'}", "--output.checkpoint_every=1"]
 

@@ -172,8 +172,8 @@ def test_a_memory_budget_sizes_the_rollouts_slots_and_refuses_what_cannot_fit():
 
 
 def test_the_rl_config_passes_its_memory_budget_to_the_engine():
-  config = experiment.experiment_config("tiny", ["--rl.memory_budget_bytes=123456789",
-                                                    "--rl.num_slots=0"])
-  assert config.rl.engine() == sj.EngineConfig(num_slots=0, memory_budget_bytes=123456789)
+  config = experiment.experiment_config("tiny", ["--rl.engine.memory_budget_bytes=123456789",
+                                                    "--rl.engine.num_slots=0"])
+  assert config.rl.engine == sj.EngineConfig(num_slots=0, memory_budget_bytes=123456789)
   with pytest.raises(sj.ConfigError, match="memory_fraction"):
-    experiment.experiment_config("tiny", ["--rl.memory_fraction=1.5"])
+    experiment.experiment_config("tiny", ["--rl.engine.memory_fraction=1.5"])

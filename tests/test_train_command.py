@@ -98,9 +98,9 @@ def test_a_run_writes_metrics_tensorboard_checkpoints_and_plots(runs):
 
 def test_overrides_reach_the_config_with_their_types():
   config = train_command.parse_argv(["--preset=tiny", "--rl.group_size=8", "--rl.mesh=2,2,1",
-                                     "--drafter.online=false", "--rl.learning_rate=3e-4"])
+                                     "--drafter.online=false", "--learner.learning_rate=3e-4"])
   assert config.rl.group_size == 8 and config.rl.mesh == (2, 2, 1)
-  assert config.drafter.online is False and config.rl.learning_rate == 3e-4
+  assert config.drafter.online is False and config.learner.learning_rate == 3e-4
   with pytest.raises(ConfigError, match="--rl.steps='ten' is invalid"):
     train_command.parse_argv(["--rl.steps=ten"])
   with pytest.raises(ConfigError, match="RLSection has"):

@@ -25,7 +25,7 @@ def _session(directory, steps, log):
       "--preset=tiny", "--drafter.kind=none", f"--rl.steps={steps}",
       "--output.checkpoint_every=1", "--output.progress=false", "--output.tensorboard=false",
       f"--output.directory={directory}", "--warm_start.sft_steps=0",
-      "--learner.kl_beta=0.5", "--learner.schedule=linear", "--learner.decay_steps=10",
+      "--learner.loss.beta=0.5", "--learner.schedule=linear", "--learner.decay_steps=10",
       "--learner.num_micro_batches=2"])
   return train_command.Session(
       config, task=tasks.PythonRewardTask(task=config.task.make(), fn=_spread), log=log)
@@ -56,7 +56,7 @@ def test_a_kl_penalised_run_trains_against_its_frozen_reference_and_resumes_with
   assert [r["step"] for r in records] == [0, 1, 2, 3]
   assert all(r["kl"] > 0.0 for r in records[1:])
   # The linear schedule over 10 steps from the peak (no warmup in the tiny preset).
-  peak = session.config.rl.learning_rate
+  peak = session.config.learner.learning_rate
   np.testing.assert_allclose([r["learning_rate"] for r in records],
                              [peak * (1 - 0.9 * s / 10) for s in range(4)], rtol=1e-6)
 
@@ -64,12 +64,12 @@ def test_a_kl_penalised_run_trains_against_its_frozen_reference_and_resumes_with
 def test_learner_options_are_checked_before_anything_runs():
   with pytest.raises(ConfigError, match="LearnerConfig.schedule='step'.*'constant'"):
     train_command.parse_argv(["--preset=tiny", "--learner.schedule=step"])
-  with pytest.raises(ConfigError, match="LearnerSection.num_micro_batches=3.*divisor of the 16"):
+  with pytest.raises(ConfigError, match="LearnerConfig.num_micro_batches=3.*divisor of the 16"):
     train_command.parse_argv(["--preset=tiny", "--learner.num_micro_batches=3"])
   with pytest.raises(ConfigError, match="LearnerConfig.remat='all'"):
     train_command.parse_argv(["--preset=tiny", "--learner.remat=all"])
   with pytest.raises(ConfigError, match="GRPOConfig.beta=-1.0"):
-    train_command.parse_argv(["--preset=tiny", "--learner.kl_beta=-1"])
+    train_command.parse_argv(["--preset=tiny", "--learner.loss.beta=-1"])
   config = train_command.parse_argv(["--preset=tiny", "--learner.master_dtype=none",
                                      "--learner.remat=full", "--learner.skip_log_prob_pass=false"])
   learner = config.learner_config()
@@ -82,8 +82,8 @@ def test_a_lora_run_trains_adapters_and_its_rollouts_read_the_merged_weights(tmp
   config = train_command.parse_argv([
       "--preset=tiny", "--drafter.kind=none", "--rl.steps=2", f"--rl.mode={mode}",
       "--rl.max_policy_lag=0", "--output.checkpoint_every=0", "--output.progress=false", "--output.tensorboard=false",
-      f"--output.directory={tmp_path}", "--warm_start.sft_steps=0", "--rl.learning_rate=0.05",
-      "--learner.lora_rank=4", "--learner.lora_targets=q_proj,up_proj"])
+      f"--output.directory={tmp_path}", "--warm_start.sft_steps=0", "--learner.learning_rate=0.05",
+      "--learner.lora.rank=4", "--learner.lora.targets=q_proj,up_proj"])
   session = train_command.Session(
       config, task=tasks.PythonRewardTask(task=config.task.make(), fn=_spread),
       log=lambda message: None)

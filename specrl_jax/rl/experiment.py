@@ -2,36 +2,27 @@
 
     config = experiment_config("demo", ["--rl.group_size=8", "--drafter.kind=none"])
 
-Each section validates itself; an override names a field by its dotted path and is
-parsed to that field's type, so `--rl.steps=ten` fails with the field and the value.
+Each section validates itself and embeds the configs of the layers it drives
+(``rl.engine`` is an ``EngineConfig``, ``learner`` a ``LearnerConfig``,
+``drafter.model`` a ``ModelSection``); overrides follow ``rl.overrides``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Sequence
 from typing import Any
 
-from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, check, is_finite_number
+from specrl_jax.config import (ConfigError, ModelConfig, SamplingParams, check,
+                               check_non_negative_int, check_positive_int, is_finite_number)
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.data_section import DataSection
 from specrl_jax.rl.learner import LearnerConfig
-from specrl_jax.rl.learner_section import LearnerSection
 from specrl_jax.rl.losses import GRPOConfig
+from specrl_jax.rl.overrides import apply_overrides, from_dict_of, to_dict  # noqa: F401
 from specrl_jax.rl.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
 from specrl_jax.sampling.engine import EngineConfig
-
-
-def _positive(owner, name, value):
-  check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner, name,
-        value, "a positive integer")
-
-
-def _non_negative(owner, name, value, allowed="an integer >= 0"):
-  check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, owner, name,
-        value, allowed)
 
 
 def _number(owner, name, value, ok, allowed):
@@ -55,7 +46,7 @@ class ModelSection:
   seed: int = 0
 
   def __post_init__(self):
-    _non_negative("ModelSection", "seed", self.seed)
+    check_non_negative_int("ModelSection", "seed", self.seed)
     check(isinstance(self.path, str), "ModelSection", "path", self.path,
           "a path to a Hugging Face model folder, or '' for a fresh built-in-vocabulary model")
     self.model_config()  # its own checks name the bad size
@@ -72,35 +63,26 @@ DRAFTER_KINDS = ("none", "draft_model", "ngram")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterSection:
-  """kind: "none" (plain rollouts), "draft_model" (a small model distilled from the
+  """kind: "none" (plain rollouts), "draft_model" (``model``, distilled from the
   warm-started policy) or "ngram"; online: keep training the draft model during RL."""
   kind: str = "draft_model"
   num_draft_tokens: int = 3
   online: bool = True
   loss_weight: float = 1.0
-  hidden_size: int = 64
-  intermediate_size: int = 128
-  num_layers: int = 1
-  num_heads: int = 2
-  num_kv_heads: int = 1
-  head_dim: int = 32
+  model: ModelSection = ModelSection(hidden_size=64, intermediate_size=128, num_layers=1,
+                                     num_heads=2, num_kv_heads=1, head_dim=32, seed=1)
   ngram_n: int = 3
 
   def __post_init__(self):
     owner = "DrafterSection"
     check(self.kind in DRAFTER_KINDS, owner, "kind", self.kind, f"one of {DRAFTER_KINDS}")
-    _positive(owner, "num_draft_tokens", self.num_draft_tokens)
+    check_positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
     _number(owner, "loss_weight", self.loss_weight, lambda v: v >= 0, ">= 0")
     check(isinstance(self.online, bool), owner, "online", self.online, "True or False")
-    _positive(owner, "ngram_n", self.ngram_n)
-    if self.kind == "draft_model":
-      self.model.model_config()
-
-  @property
-  def model(self) -> ModelSection:
-    return ModelSection(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                        num_layers=self.num_layers, num_heads=self.num_heads,
-                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, seed=1)
+    check_positive_int(owner, "ngram_n", self.ngram_n)
+    check(isinstance(self.model, ModelSection) and self.model.path == "", owner, "model.path",
+          getattr(self.model, "path", self.model),
+          "'' (the draft model is a fresh model of model's sizes, distilled from the policy)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,8 +99,8 @@ class TaskSection:
 
   def __post_init__(self):
     check(self.name in TASKS, "TaskSection", "name", self.name, f"one of {sorted(TASKS)}")
-    _positive("TaskSection", "num_prompts", self.num_prompts)
-    _non_negative("TaskSection", "seed", self.seed)
+    check_positive_int("TaskSection", "num_prompts", self.num_prompts)
+    check_non_negative_int("TaskSection", "seed", self.seed)
     self.make()  # the task checks its own options
 
   def make(self) -> Task:
@@ -140,8 +122,8 @@ class WarmStartSection:
   def __post_init__(self):
     owner = "WarmStartSection"
     for name in ("sft_steps", "distill_steps"):
-      _non_negative(owner, name, getattr(self, name))
-    _positive(owner, "sft_batch_size", self.sft_batch_size)
+      check_non_negative_int(owner, name, getattr(self, name))
+    check_positive_int(owner, "sft_batch_size", self.sft_batch_size)
     for name in ("sft_learning_rate", "distill_learning_rate"):
       _number(owner, name, getattr(self, name), lambda v: v > 0, "> 0")
     _number(owner, "sft_noise", self.sft_noise, lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -152,30 +134,24 @@ RL_MODES = ("sync", "async")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLSection:
-  """GRPO. mode "sync": one jitted step per update on one mesh; "async": rollouts on
-  ``rollout_devices`` devices and training on the next ``train_devices``, overlapped,
-  trajectories at most ``max_policy_lag`` updates old.
+  """GRPO's rollouts and where they run. mode "sync": one jitted step per update on one
+  mesh; "async": rollouts on ``rollout_devices`` devices and training on the next
+  ``train_devices``, overlapped, trajectories at most ``max_policy_lag`` updates old.
 
   mesh: (data, fsdp, tensor) of the sync mesh; rollouts split weights and KV heads over
   tensor and requests over data * fsdp. In async mode only (1, 1, T): both meshes
   split heads T ways.
 
-  memory_budget_bytes / memory_fraction: size each rollout shard's KV page pool from a
-  byte budget per device (weights included) or a share of the device's free memory, as
-  ``EngineConfig`` does; with num_slots=0 the rollout then decodes as many samples at
-  once as fit, and a num_slots that cannot fit is refused before anything compiles."""
+  engine: the rollout engine of each shard (``--rl.engine.num_slots``, ``page_size``,
+  ``memory_budget_bytes`` / ``memory_fraction``, ...). With a memory budget and
+  num_slots=0 the rollout decodes as many samples at once as fit, and a num_slots that
+  cannot fit is refused before anything compiles."""
   mode: str = "sync"
   steps: int = 30
   group_size: int = 8
   prompts_per_step: int = 8
   temperature: float = 1.0
-  learning_rate: float = 1e-4
-  warmup_steps: int = 5
-  clip_eps_high: float = 0.28
-  tis_cap: float = 2.0
-  num_slots: int = 8
-  memory_budget_bytes: int | None = None
-  memory_fraction: float | None = None
+  engine: EngineConfig = EngineConfig(num_slots=8)
   max_policy_lag: int = 1
   mesh: tuple[int, int, int] = (1, 1, 1)
   rollout_devices: int = 1
@@ -186,19 +162,13 @@ class RLSection:
     owner = "RLSection"
     check(self.mode in RL_MODES, owner, "mode", self.mode, f"one of {RL_MODES}")
     for name in ("steps", "group_size", "prompts_per_step", "rollout_devices", "train_devices"):
-      _positive(owner, name, getattr(self, name))
-    check(isinstance(self.num_slots, int) and self.num_slots >= 0, owner, "num_slots",
-          self.num_slots, "an integer >= 0 (0 = one slot per sample)")
-    self.engine()  # the engine's own checks of the memory settings
-    check(isinstance(self.max_policy_lag, int) and self.max_policy_lag >= 0, owner,
-          "max_policy_lag", self.max_policy_lag, "an integer >= 0")
+      check_positive_int(owner, name, getattr(self, name))
+    check(isinstance(self.engine, EngineConfig), owner, "engine", self.engine,
+          "an EngineConfig")
+    check_non_negative_int(owner, "max_policy_lag", self.max_policy_lag)
     _number(owner, "temperature", self.temperature, lambda v: v > 0,
             "> 0 (GRPO needs sampled rollouts)")
-    _number(owner, "learning_rate", self.learning_rate, lambda v: v >= 0, ">= 0")
-    _number(owner, "clip_eps_high", self.clip_eps_high, lambda v: v >= 0, ">= 0")
-    _number(owner, "tis_cap", self.tis_cap, lambda v: v > 0, "> 0")
-    _non_negative(owner, "warmup_steps", self.warmup_steps)
-    _non_negative(owner, "seed", self.seed)
+    check_non_negative_int(owner, "seed", self.seed)
     check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
           and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.mesh),
           owner, "mesh", self.mesh, "three positive sizes (data, fsdp, tensor)")
@@ -210,20 +180,7 @@ class RLSection:
       for name in ("rollout_devices", "train_devices"):
         check(getattr(self, name) % tensor == 0, owner, name, getattr(self, name),
               f"a multiple of the tensor size {tensor} of RLSection.mesh")
-    # The learner's and the rollout's own checks, now rather than after the warm start.
-    self.learner()
-    self.rollout(1)
-
-  def engine(self) -> EngineConfig:
-    return EngineConfig(num_slots=self.num_slots, memory_budget_bytes=self.memory_budget_bytes,
-                        memory_fraction=self.memory_fraction)
-
-  def learner(self, section: LearnerSection = LearnerSection()) -> LearnerConfig:
-    """The learner's config: this section's rate, warmup and clipping with
-    ``section``'s schedule, batching, KL and precision."""
-    return section.config(
-        learning_rate=self.learning_rate, steps=self.steps, warmup_steps=self.warmup_steps,
-        loss=GRPOConfig(clip_eps_high=self.clip_eps_high, tis_cap=self.tis_cap))
+    self.rollout(1)  # the rollout's own checks, now rather than after the warm start
 
   def samples_per_replica(self) -> int:
     """Rows of one step's batch on each learner replica (data * fsdp of its mesh)."""
@@ -267,38 +224,57 @@ class OutputSection:
     owner = "OutputSection"
     check(isinstance(self.directory, str) and self.directory.strip() != "", owner,
           "directory", self.directory, "a non-empty path")
-    _non_negative(owner, "checkpoint_every", self.checkpoint_every,
+    check_non_negative_int(owner, "checkpoint_every", self.checkpoint_every,
                   "an integer >= 0 (0 = only at the end)")
-    _positive(owner, "keep_checkpoints", self.keep_checkpoints)
+    check_positive_int(owner, "keep_checkpoints", self.keep_checkpoints)
     for name in ("resume", "tensorboard", "plots", "progress"):
       check(isinstance(getattr(self, name), bool), owner, name, getattr(self, name),
             "True or False")
     check(isinstance(self.compilation_cache, str), owner, "compilation_cache",
           self.compilation_cache, '"auto", "off" or a folder')
-    _non_negative(owner, "collapse_window", self.collapse_window,
+    check_non_negative_int(owner, "collapse_window", self.collapse_window,
                   "an integer >= 0 (steps of zero gradient and constant reward before a "
                   "collapse warning; 0 = never warn)")
 
 
+# The experiment's learner: constant rate after a short warmup, clipped gradients, the
+# DAPO upper clip and a TIS cap, float32 master weights, and the ratio's denominator from
+# the update's own forward (exact: one update per batch).
+LEARNER = LearnerConfig(learning_rate=1e-4, schedule="constant", warmup_steps=5,
+                        decay_steps=None, max_grad_norm=1.0,
+                        loss=GRPOConfig(clip_eps_high=0.28, tis_cap=2.0),
+                        skip_log_prob_pass=True)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
+  """learner: ``--learner.learning_rate``, ``--learner.loss.beta`` (KL to the initial
+  policy: a frozen reference copy is kept, checkpointed and restored),
+  ``--learner.lora.rank`` (LoRA adapters on a frozen base), ``--learner.remat``, ...;
+  decay_steps None decays over the rest of the run (rl.steps - warmup_steps)."""
   policy: ModelSection = ModelSection()
   drafter: DrafterSection = DrafterSection()
   task: TaskSection = TaskSection()
   data: DataSection = DataSection()
   warm_start: WarmStartSection = WarmStartSection()
   rl: RLSection = RLSection()
-  learner: LearnerSection = LearnerSection()
+  learner: LearnerConfig = LEARNER
   output: OutputSection = OutputSection()
 
   def __post_init__(self):
+    check(isinstance(self.learner, LearnerConfig), "ExperimentConfig", "learner",
+          self.learner, "a LearnerConfig")
     micro, rows = self.learner.num_micro_batches, self.rl.samples_per_replica()
-    check(rows % micro == 0, "LearnerSection", "num_micro_batches", micro,
+    check(rows % micro == 0, "LearnerConfig", "num_micro_batches", micro,
           f"a divisor of the {rows} samples each learner replica trains on per step "
           f"(rl.group_size * rl.prompts_per_step / data-parallel replicas)")
 
   def learner_config(self) -> LearnerConfig:
-    return self.rl.learner(self.learner)
+    """The learner with decay_steps resolved (None: over the steps after warmup)."""
+    if self.learner.decay_steps is not None:
+      return self.learner
+    return dataclasses.replace(
+        self.learner, decay_steps=max(self.rl.steps - self.learner.warmup_steps, 1))
 
 
 PRESETS: dict[str, ExperimentConfig] = {
@@ -307,81 +283,33 @@ PRESETS: dict[str, ExperimentConfig] = {
         task=TaskSection(min_digits=1, max_digits=2),
         warm_start=WarmStartSection(sft_steps=150, sft_learning_rate=5e-3, distill_steps=100,
                                     distill_learning_rate=5e-3),
-        rl=RLSection(steps=30, prompts_per_step=16, warmup_steps=3),
+        rl=RLSection(steps=30, prompts_per_step=16),
+        learner=dataclasses.replace(LEARNER, warmup_steps=3),
         output=OutputSection(directory="runs/demo", checkpoint_every=0)),
     # Tests: a tiny policy and drafter, few short steps.
     "tiny": ExperimentConfig(
         policy=ModelSection(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                             num_kv_heads=1, head_dim=16),
-        drafter=DrafterSection(hidden_size=32, intermediate_size=64, num_heads=1, head_dim=16),
+        drafter=DrafterSection(model=ModelSection(hidden_size=32, intermediate_size=64,
+                                                  num_layers=1, num_heads=1, num_kv_heads=1,
+                                                  head_dim=16, seed=1)),
         task=TaskSection(min_digits=1, max_digits=1, num_prompts=64),
         warm_start=WarmStartSection(sft_steps=120, sft_batch_size=16, sft_learning_rate=1e-2,
                                     sft_noise=0.5, distill_steps=10),
-        rl=RLSection(steps=4, group_size=4, prompts_per_step=4, num_slots=0,
-                     learning_rate=1e-3, warmup_steps=0),
+        rl=RLSection(steps=4, group_size=4, prompts_per_step=4,
+                     engine=EngineConfig(num_slots=0)),
+        learner=dataclasses.replace(LEARNER, learning_rate=1e-3, warmup_steps=0),
         output=OutputSection(directory="runs/tiny", checkpoint_every=2, plots=False)),
     # `specrl train --model=PATH --dataset=PATH`: a pretrained policy on a dataset, no
     # warm start, n-gram drafts (a draft model would have to be distilled first).
     "dataset": ExperimentConfig(
         drafter=DrafterSection(kind="ngram"),
         warm_start=WarmStartSection(sft_steps=0, distill_steps=0),
-        rl=RLSection(steps=100, group_size=8, prompts_per_step=8, num_slots=0,
-                     learning_rate=1e-6, warmup_steps=10),
+        rl=RLSection(steps=100, group_size=8, prompts_per_step=8,
+                     engine=EngineConfig(num_slots=0)),
+        learner=dataclasses.replace(LEARNER, learning_rate=1e-6, warmup_steps=10),
         output=OutputSection(directory="runs/dataset")),
 }
-
-
-# ----------------------------------------------------------------- overrides
-
-def _parse(text: str, current: Any, annotation: Any, path: str) -> Any:
-  """``text`` as a value of the field's type (the annotation, else the default's)."""
-  origin = typing.get_origin(annotation)
-  args = typing.get_args(annotation)
-  if text.lower() == "none" and (current is None or type(None) in args):
-    return None
-  kind = type(current) if current is not None else next(a for a in args if a is not type(None))
-  try:
-    if kind is bool:
-      lowered = text.lower()
-      if lowered not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(text)
-      return lowered in ("true", "1", "yes")
-    if kind is tuple or origin is tuple:
-      element = (args[0] if args else type(current[0]) if current else int)
-      return tuple(element(part) for part in text.strip("()").split(",") if part.strip())
-    return kind(text)
-  except (ValueError, TypeError, StopIteration):
-    raise ConfigError(f"--{path}={text!r} is invalid: expected a value of type "
-                      f"{getattr(kind, '__name__', kind)}.") from None
-
-
-def _replace(config: Any, names: Sequence[str], text: str, path: str) -> Any:
-  fields = {f.name: f for f in dataclasses.fields(config)}
-  if names[0] not in fields:
-    raise ConfigError(f"--{path} is not a config field: {type(config).__name__} has "
-                      f"{sorted(fields)}.")
-  current = getattr(config, names[0])
-  if len(names) > 1:
-    if not dataclasses.is_dataclass(current):
-      raise ConfigError(f"--{path}: {names[0]} is a value, not a section.")
-    value = _replace(current, names[1:], text, path)
-  else:
-    if dataclasses.is_dataclass(current):
-      raise ConfigError(f"--{path} names a section; set one of its fields, e.g. "
-                        f"--{path}.{dataclasses.fields(current)[0].name}=...")
-    hints = typing.get_type_hints(type(config))
-    value = _parse(text, current, hints.get(names[0]), path)
-  return dataclasses.replace(config, **{names[0]: value})
-
-
-def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
-  """Applies ``--section.field=value`` overrides in order."""
-  for override in overrides:
-    if not override.startswith("--") or "=" not in override:
-      raise ConfigError(f"override {override!r} is invalid: expected --section.field=value.")
-    path, text = override[2:].split("=", 1)
-    config = _replace(config, path.split("."), text, path)
-  return config
 
 
 def experiment_config(preset: str = "demo", overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -390,18 +318,6 @@ def experiment_config(preset: str = "demo", overrides: Sequence[str] = ()) -> Ex
   return apply_overrides(PRESETS[preset], overrides)
 
 
-def to_dict(config: ExperimentConfig) -> dict[str, Any]:
-  return dataclasses.asdict(config)
-
-
 def from_dict(record: dict[str, Any]) -> ExperimentConfig:
-  """The config ``to_dict`` wrote (e.g. a run's config.json; lists become tuples);
-  sections or fields it lacks take their defaults."""
-  sections = {}
-  for field in dataclasses.fields(ExperimentConfig):
-    section = type(getattr(ExperimentConfig(), field.name))
-    known = {f.name for f in dataclasses.fields(section)}
-    values = {name: tuple(value) if isinstance(value, list) else value
-              for name, value in record.get(field.name, {}).items() if name in known}
-    sections[field.name] = section(**values)
-  return ExperimentConfig(**sections)
+  """The experiment config a run recorded (``to_dict``)."""
+  return from_dict_of(ExperimentConfig, record)

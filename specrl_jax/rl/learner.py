@@ -37,7 +37,6 @@ from specrl_jax.rl.losses import aggregation_weights, combine_metrics, valid_tok
 from specrl_jax.rl.numerics import keep_if_finite
 from specrl_jax.rl.optimizer import (  # noqa: F401  (re-exported: the learner's config)
     SCHEDULES, LearnerConfig, drafter_peak, learning_rate_schedule, make_optimizer,
-    non_negative_int,
 )
 from specrl_jax.rl.policy_loss import (  # noqa: F401  (check_warp re-exported)
     check_warp, policy_and_drafter_loss, policy_forward,

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import jax
 import optax
 
-from specrl_jax.config import check, is_finite_number
+from specrl_jax.config import (check, check_non_negative_int, check_positive_int, is_finite_number,
+                               is_integer)
 from specrl_jax.models.transformer import REMAT_POLICIES
 from specrl_jax.rl.lora import LoRAConfig
 from specrl_jax.rl.losses import GRPOConfig
@@ -47,10 +48,6 @@ SCHEDULES: dict[str, Callable[["LearnerConfig", float], Schedule]] = {
 }
 
 
-def non_negative_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnerConfig:
   """Optimizer, schedule, micro-batching and the loss of the GRPO learner.
@@ -76,7 +73,7 @@ class LearnerConfig:
   learning_rate: float = 1e-6
   schedule: str = "cosine"
   warmup_steps: int = 0
-  decay_steps: int = 1000
+  decay_steps: int | None = 1000
   final_learning_rate_ratio: float = 0.1
   weight_decay: float = 0.0
   adam_b1: float = 0.9
@@ -99,10 +96,11 @@ class LearnerConfig:
     number("learning_rate", lambda v: v >= 0, ">= 0")
     check(self.schedule in SCHEDULES, owner, "schedule", self.schedule,
           f"one of {sorted(SCHEDULES)}")
-    check(non_negative_int(self.warmup_steps), owner, "warmup_steps", self.warmup_steps,
-          "an integer >= 0")
-    check(non_negative_int(self.decay_steps) and self.decay_steps > 0, owner,
-          "decay_steps", self.decay_steps, "a positive integer")
+    check_non_negative_int(owner, "warmup_steps", self.warmup_steps)
+    check(self.decay_steps is None or (is_integer(self.decay_steps) and self.decay_steps > 0),
+          owner,
+          "decay_steps", self.decay_steps,
+          "a positive integer, or None for a run to fill in (the steps after warmup)")
     number("final_learning_rate_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
     number("weight_decay", lambda v: v >= 0, ">= 0")
     number("adam_b1", lambda v: 0 <= v < 1, "in [0, 1)")
@@ -111,8 +109,7 @@ class LearnerConfig:
     check(self.max_grad_norm is None
           or (is_finite_number(self.max_grad_norm) and self.max_grad_norm > 0), owner,
           "max_grad_norm", self.max_grad_norm, "None (no clipping) or a finite number > 0")
-    check(non_negative_int(self.num_micro_batches) and self.num_micro_batches > 0, owner,
-          "num_micro_batches", self.num_micro_batches, "a positive integer")
+    check_positive_int(owner, "num_micro_batches", self.num_micro_batches)
     check(isinstance(self.loss, GRPOConfig), owner, "loss", self.loss, "a GRPOConfig")
     check(self.drafter_learning_rate is None
           or (is_finite_number(self.drafter_learning_rate) and self.drafter_learning_rate >= 0),
@@ -130,6 +127,9 @@ class LearnerConfig:
 
 def learning_rate_schedule(config: LearnerConfig, peak: float | None = None) -> Schedule:
   """Linear warmup from 0 over warmup_steps, then the configured decay from ``peak``."""
+  check(config.decay_steps is not None or config.schedule == "constant", "LearnerConfig",
+        "decay_steps", None, f"a positive integer for the {config.schedule!r} schedule (None "
+        "is for an experiment to fill in with its steps after warmup)")
   peak = config.learning_rate if peak is None else peak
   decay = SCHEDULES[config.schedule](config, peak)
   if config.warmup_steps == 0:

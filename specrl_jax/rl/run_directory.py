@@ -108,9 +108,7 @@ def warm_start_key(config: Mapping[str, Any]) -> dict[str, Any]:
   if config.get("data", {}).get("path"):  # SFT reads the dataset's solutions
     key["data"] = config["data"]
   if drafter["kind"] == "draft_model":
-    key["draft_model"] = {name: drafter[name] for name in (
-        "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-        "head_dim")}
+    key["draft_model"] = drafter["model"]
   return key
 
 

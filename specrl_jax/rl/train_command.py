@@ -75,7 +75,7 @@ class Session:
     self.learner = config.learner_config()
     self.rollout_config = config.rl.rollout(self.task.max_response_tokens,
                                             self.text_tokenizer.eos_ids)
-    self.engine = config.rl.engine()
+    self.engine = config.rl.engine
     self.spec = SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
     self.timings: dict[str, float] = {}
 
@@ -367,10 +367,6 @@ class Session:
                leaf_name_of=lambda index: numerics.leaf_name(state, index))
 
 
-def _quiet(message: str) -> None:
-  del message
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if any(a in ("-h", "--help") for a in argv):
@@ -385,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if jax.process_count() > 1:
       distributed.check_same_on_all_processes(json.dumps(to_dict(config), sort_keys=True),
                                               "the run configuration")
-    session = Session(config, log=print if distributed.is_primary() else _quiet)
+    session = Session(config, log=print if distributed.is_primary() else (lambda _: None))
     session.check()  # what cannot work fails now, not after the warm start
     with persistent_cache(cache_directory(config.output.compilation_cache,
                                           config.output.directory)):

@@ -13,11 +13,10 @@ from typing import Any
 import flax.struct
 import jax
 
-from specrl_jax.config import check
+from specrl_jax.config import check, is_integer
 from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.rl import lora, precision
 from specrl_jax.rl.lora import LoRAConfig
-from specrl_jax.rl.optimizer import non_negative_int
 
 Array = jax.Array
 
@@ -113,6 +112,6 @@ class DrafterObjective:
     check(callable(self.loss_fn), owner, "loss_fn", self.loss_fn,
           "a function (drafter_params, ForwardOutput, Batch) -> (loss, metrics)")
     check(isinstance(self.hidden_layers, tuple)
-          and all(non_negative_int(i) for i in self.hidden_layers),
+          and all(is_integer(i) and i >= 0 for i in self.hidden_layers),
           owner, "hidden_layers", self.hidden_layers, "a tuple of layer indices >= 0")
     check(self.loss_weight >= 0, owner, "loss_weight", self.loss_weight, ">= 0")
