@@ -156,7 +156,10 @@ class RLSection:
   memory_budget_bytes / memory_fraction: size each rollout shard's KV page pool from a
   byte budget per device (weights included) or a share of the device's free memory, as
   ``EngineConfig`` does; with num_slots=0 the rollout then decodes as many samples at
-  once as fit, and a num_slots that cannot fit is refused before anything compiles."""
+  once as fit, and a num_slots that cannot fit is refused before anything compiles.
+
+  compaction: continue a rollout's last live samples in narrower decode programs
+  (``EngineConfig.compaction``)."""
   mode: str = "sync"
   steps: int = 30
   group_size: int = 8
@@ -169,6 +172,7 @@ class RLSection:
   num_slots: int = 8
   memory_budget_bytes: int | None = None
   memory_fraction: float | None = None
+  compaction: bool = False
   max_policy_lag: int = 1
   mesh: tuple[int, int, int] = (1, 1, 1)
   rollout_devices: int = 1
@@ -209,7 +213,7 @@ class RLSection:
 
   def engine(self) -> EngineConfig:
     return EngineConfig(num_slots=self.num_slots, memory_budget_bytes=self.memory_budget_bytes,
-                        memory_fraction=self.memory_fraction)
+                        memory_fraction=self.memory_fraction, compaction=self.compaction)
 
   def learner(self) -> LearnerConfig:
     return LearnerConfig(learning_rate=self.learning_rate, schedule="constant",
