@@ -15,6 +15,7 @@ import collections
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConf
 from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.drafters.history import History
 from specrl_jax.speculative.generate import generate
 
 VOCAB = 12
@@ -105,12 +107,14 @@ def test_greedy_plain_decoding_with_compaction_is_token_identical(target, stop_t
 @pytest.mark.parametrize("drafter,spec", [
     ("noisy", SpecConfig(num_draft_tokens=3)),   # its own KV cache: per-slot state
     ("ngram", SpecConfig(tree=(2, 2))),          # no state
-], ids=["draft_model-chain3", "ngram-tree22"])
+    ("history", SpecConfig(num_draft_tokens=3)),  # per-slot rows and a cached fallback
+], ids=["draft_model-chain3", "ngram-tree22", "history-fallback-chain3"])
 def test_greedy_speculation_with_compaction_is_token_identical(target, noisy_drafter, stop_token,
                                                                greedy_plain, drafter, spec):
   sampling = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW,
                             stop_token_ids=(stop_token,))
-  chosen = noisy_drafter if drafter == "noisy" else drafters.NGram(n=2)
+  chosen = {"noisy": noisy_drafter, "ngram": drafters.NGram(n=2),
+            "history": History(noisy_drafter, min_match=2, siblings=2)}[drafter]
   engine = ENGINES["3_slots_continuous"]
   out = generate(target, PROMPTS, sampling=sampling, drafter=chosen, spec=spec, engine=engine)
   np.testing.assert_array_equal(out.tokens, greedy_plain.tokens)
@@ -183,6 +187,24 @@ def test_sampled_tokens_follow_the_exact_joint_distribution_while_compacting(
 def test_bad_compaction_options_name_the_field(fields, fragment):
   with pytest.raises(ConfigError, match=f"EngineConfig.{fragment}"):
     EngineConfig(**fields)
+
+
+def test_the_history_drafter_keeps_the_rollouts_of_the_slots_compaction_drops():
+  drafter = History(max_match=2, siblings=2).bind(CONFIG)
+  state = drafter.init_state(4)
+  # Slots 0 and 3 stay; 1 served request 1 (ended), 2 never served one.
+  state = state.replace(request_N=jnp.asarray([3, 1, -1, 2]),
+                        keys_N=jnp.asarray([7, 8, 0, 9], jnp.uint32),
+                        rows_NxL=jnp.arange(4)[:, None] + jnp.zeros_like(state.rows_NxL))
+  narrow = drafter.compact_state(state, jnp.asarray([0, 3]))
+  np.testing.assert_array_equal(narrow.request_N, [3, 2])
+  np.testing.assert_array_equal(narrow.keys_N, [7, 9])
+  np.testing.assert_array_equal(narrow.rows_NxL[:, 0], [0, 3])
+  # Slot 1's finished rollout stays searchable by its siblings; slot 2 never had one.
+  kept_F = np.asarray(narrow.finished.stamps_F) >= 0
+  assert kept_F.sum() == 1
+  assert np.asarray(narrow.finished.keys_F)[kept_F].tolist() == [8]
+  assert (np.asarray(narrow.finished.rows_FxL)[kept_F] == 1).all()
 
 
 class _SlotCounter(Drafter):
