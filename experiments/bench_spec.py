@@ -197,7 +197,8 @@ def main(argv=None) -> int:
       "target": (f"spec_pair {args.size}: {config.num_layers} x {config.hidden_size}, "
                  f"{config.num_params() / 1e6:.1f}M parameters, SFT arithmetic"),
       "temperature": args.temperature, "lengths": args.lengths,
-      "max_new_tokens": sampling.max_new_tokens, "results": rows, "round_cost_breakdown": breakdowns,
+      "max_new_tokens": sampling.max_new_tokens, "results": rows,
+      "round_cost_breakdown": breakdowns,
       "slower_than_plain_despite_acceptance_2_5_at_batch_1_or_8": [
           (r["batch"], r["config"]) for r in violations]})
   return 0

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specrl_jax import drafters, testing
+from specrl_jax import drafters, parallel, testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.engine import EngineConfig
@@ -121,6 +121,20 @@ def test_greedy_speculation_with_compaction_is_token_identical(target, noisy_dra
   np.testing.assert_array_equal(out.logprobs, greedy_plain.logprobs)
   assert_compacted(out.stats, 3)
   assert out.stats["acceptance_length"] > 1
+
+
+def test_batch_shards_compact_on_their_own_and_decode_what_one_device_decodes(
+    target, stop_token, greedy_plain):
+  # Two shards of (4, 3) requests, each compacting inside one compiled program.
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW,
+                            stop_token_ids=(stop_token,))
+  mesh = parallel.make_mesh((2, 1, 1), devices=jax.devices()[:2])
+  out = generate(target, PROMPTS, sampling=sampling, engine=ENGINES["slot_per_request"],
+                 mesh=mesh)
+  np.testing.assert_array_equal(out.tokens, greedy_plain.tokens)
+  rounds = out.stats["compaction"]["rounds_by_width"]
+  assert out.stats["compaction"]["widths"] == [4, 2, 1]
+  assert sum(rounds) == out.stats["target_calls"] and sum(rounds[1:]) > 0
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])

@@ -150,7 +150,8 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                 # What the rounds cost in slots: with compaction, narrower ones cost less.
                 "slot_rounds": jnp.sum(rounds_by_width * widths_W),
                 "rounds_by_width": rounds_by_width,
-                "tail_rounds": jnp.sum(final.counters["rounds_by_live"][:layout.num_slots // 2 + 1]),
+                "tail_rounds": jnp.sum(
+                    final.counters["rounds_by_live"][:layout.num_slots // 2 + 1]),
                 "request_rounds": jnp.sum(final.counters["request_rounds_R"]),
                 "draft_rounds": final.counters.get("draft_rounds", jnp.int32(0)),
                 "accepted_per_position": final.counters.get(
