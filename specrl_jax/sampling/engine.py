@@ -268,8 +268,15 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
   # the whole page array to read and write it in one pass.
   k_tails, v_tails = jax.lax.optimization_barrier(
       ([k[source_N] for k in state.kv.k_pages], [v[source_N] for v in state.kv.v_pages]))
-  k_pages = tuple(k.at[destination_N].set(t) for k, t in zip(state.kv.k_pages, k_tails))
-  v_pages = tuple(v.at[destination_N].set(t) for v, t in zip(state.kv.v_pages, v_tails))
+  # One more destination, out of range and dropped: a scatter of a single page (one
+  # slot) would become a dynamic-update-slice, which XLA fused with the round's page
+  # gathers and then copied every layer's whole page array each round to update.
+  destination_D = jnp.append(destination_N, state.kv.k_pages[0].shape[0])
+  pad = lambda t: jnp.concatenate([t, jnp.zeros_like(t[:1])])
+  k_pages = tuple(k.at[destination_D].set(pad(t), mode="drop")
+                  for k, t in zip(state.kv.k_pages, k_tails))
+  v_pages = tuple(v.at[destination_D].set(pad(t), mode="drop")
+                  for v, t in zip(state.kv.v_pages, v_tails))
   table = jnp.where(admit_N[:, None], row_NxM, state.kv.page_table_BxM)
 
   # The prompt's own reference (held since prefill) goes once its last sample is in.
