@@ -11,9 +11,17 @@ plain decoding's on that seed. Also the cost breakdown a
 round is made of, timed on the same weights: one target forward over 1 and k + 1
 tokens per sequence (verification) and one drafter step.
 
+With ``--lengths longtail`` the prompts are additions whose operands have a
+heavy-tailed number of digits (``longtail_prompts``: most answers take ~20 tokens, the
+longest run past the target's training range to 100-256), and every configuration runs
+with and without slot compaction (``EngineConfig(compaction=True)``): plain, plain with
+compaction, and each speculative configuration with compaction, the same seeds,
+interleaved; rows report the rounds and seconds per compiled width and the tail's share.
+
   python experiments/bench_spec.py [--size small|medium] [--batches 1 8 32]
       [--ks 1 2 3 4 5 6 7] [--samples 7] [--no-trees] [--no-ngram] [--no-adaptive]
       [--learned] [--adaptive-warmup 6] [--train-steps 200 150]
+      [--lengths task|longtail] [--max-new-tokens 256]
 """
 
 from __future__ import annotations
@@ -42,6 +50,30 @@ def make_prompts(batch: int, seed: int) -> list[list[int]]:
           for _ in range(batch)]
 
 
+# Operand digit counts d of the long-tailed prompts, P(d) proportional to 1/d: the
+# task's own 2-4 digits and, in the tail, up to 16 (the worked sum then runs on for a
+# line per column, past anything the target was trained on).
+LONGTAIL_DIGITS = np.arange(1, 17)
+
+
+def longtail_prompts(batch: int, seed: int) -> list[list[int]]:
+  """``batch`` addition prompts with operand lengths at the batch's quantiles of the
+  heavy-tailed digit distribution (so every batch of 8 or more has a long one), in a
+  seeded random order."""
+  weights = 1.0 / LONGTAIL_DIGITS
+  cumulative = np.cumsum(weights / weights.sum())
+  quantiles = (np.arange(batch) + 0.5) / batch
+  digits = LONGTAIL_DIGITS[np.searchsorted(cumulative, quantiles)]
+  rng = np.random.default_rng(seed)
+  rng.shuffle(digits)
+  prompts = []
+  for d in digits:
+    low = 10 ** (int(d) - 1) if d > 1 else 0
+    a, b = (int(rng.integers(low, 10 ** int(d))) for _ in range(2))
+    prompts.append(tokenizer.encode(f"{a}+{b}=", add_bos=True))
+  return prompts
+
+
 def _mean_per_position(rates: list[list[float]]) -> list[float]:
   """Per draft position, the mean over the samples that drafted it (an adaptive run
   need not reach every position)."""
@@ -64,6 +96,11 @@ def main(argv=None) -> int:
                       help="untimed calls that warm an adaptive controller up")
   parser.add_argument("--learned", action="store_true",
                       help="also MTP and EAGLE-3 heads trained for the target (cached)")
+  parser.add_argument("--lengths", choices=("task", "longtail"), default="task",
+                      help="the task's own prompts, or long-tailed response lengths "
+                      "(longtail_prompts), each configuration also with slot compaction")
+  parser.add_argument("--max-new-tokens", type=int, default=256,
+                      help="the response budget with --lengths longtail")
   parser.add_argument("--train-steps", type=int, nargs=2, metavar=("TARGET", "DRAFT"),
                       default=(200, 150), help="SFT / distillation steps when the pair is "
                       "not cached (fewer: a device's time budget, or a CPU dry run)")
@@ -71,9 +108,11 @@ def main(argv=None) -> int:
 
   target, draft = spec_pair.load_or_train(size=args.size, target_steps=args.train_steps[0],
                                           draft_steps=args.train_steps[1])
-  sampling = sj.SamplingParams(temperature=args.temperature,
-                               max_new_tokens=spec_pair.TASK.max_response_tokens,
-                               stop_token_ids=(tokenizer.EOS_ID,))
+  longtail = args.lengths == "longtail"
+  sampling = sj.SamplingParams(
+      temperature=args.temperature,
+      max_new_tokens=args.max_new_tokens if longtail else spec_pair.TASK.max_response_tokens,
+      stop_token_ids=(tokenizer.EOS_ID,))
   drafters = {"draft_model": sj.drafters.DraftModel(draft)}
   if not args.no_ngram:
     drafters["ngram"] = sj.drafters.NGram(n=3)
@@ -88,12 +127,18 @@ def main(argv=None) -> int:
 
   rows, breakdowns = [], []
   for batch in args.batches:
-    prompts = make_prompts(batch, seed=batch)
+    prompts = (longtail_prompts if longtail else make_prompts)(batch, seed=batch)
     engine = sj.EngineConfig(num_slots=batch)
+    compacting = sj.EngineConfig(num_slots=batch, compaction=True)
     configs = {"plain": {}}
+    if longtail:
+      configs["plain+compaction"] = dict(engine=compacting)
     for drafter_name, drafter in drafters.items():
       for spec_name, spec in specs.items():
         configs[f"{drafter_name}/{spec_name}"] = dict(drafter=drafter, spec=spec)
+        if longtail and not spec.adaptive:  # the adaptive engine does not compact
+          configs[f"{drafter_name}/{spec_name}+compaction"] = dict(drafter=drafter, spec=spec,
+                                                                   engine=compacting)
         if spec.adaptive:
           # One controller across the calls, as an RL run passes one to every step's
           # rollouts: what it measured while warming up carries over.
@@ -103,7 +148,8 @@ def main(argv=None) -> int:
     def runner(kwargs):
       def run(sample):
         return sj.generate(target, prompts, sampling=sampling,
-                           rng=jax.random.key(1000 + sample), engine=engine, **kwargs)
+                           rng=jax.random.key(1000 + sample), **dict(dict(engine=engine),
+                                                                     **kwargs))
       return run
 
     runs = {name: runner(kwargs) for name, kwargs in configs.items()}
@@ -130,6 +176,8 @@ def main(argv=None) -> int:
              "target_calls": [o.stats["target_calls"] for o in outs],
              **_request_spread(outs),
              "generated_tokens": [int(o.lengths.sum()) for o in outs]}
+      if longtail:
+        row.update(_tail_stats(outs, rates[name], rates.get("plain+compaction")))
       if "draft_length_schedule" in outs[0].stats:
         row["draft_length_rounds"] = _rounds_by_length(
             [entry for o in outs for entry in o.stats["draft_length_schedule"]])
@@ -148,7 +196,9 @@ def main(argv=None) -> int:
       "benchmark": "bench_spec", "size": args.size,
       "target": (f"spec_pair {args.size}: {config.num_layers} x {config.hidden_size}, "
                  f"{config.num_params() / 1e6:.1f}M parameters, SFT arithmetic"),
-      "temperature": args.temperature, "results": rows, "round_cost_breakdown": breakdowns,
+      "temperature": args.temperature, "lengths": args.lengths,
+      "max_new_tokens": sampling.max_new_tokens, "results": rows,
+      "round_cost_breakdown": breakdowns,
       "slower_than_plain_despite_acceptance_2_5_at_batch_1_or_8": [
           (r["batch"], r["config"]) for r in violations]})
   return 0
@@ -165,6 +215,26 @@ def _request_spread(outs) -> dict:
   return {"request_tokens_per_round_min_median_max": [
               round(float(q), 2) for q in np.quantile(per_request, [0, 0.5, 1])],
           "batch_rounds_over_mean_request_rounds": round(float(np.mean(straggling)), 3)}
+
+
+def _tail_stats(outs, rates, compaction_rates) -> dict:
+  """A long-tailed row's response lengths, its speed over plain decoding with
+  compaction (same seeds), and, when it compacted, its rounds and seconds per width."""
+  lengths = np.concatenate([o.lengths for o in outs])
+  row = {"response_length_mean_over_max": round(float(lengths.mean() / lengths.max()), 3),
+         "response_length_max": int(lengths.max()),
+         "rounds_by_live": np.sum([o.stats["rounds_by_live"] for o in outs], axis=0).tolist()}
+  if compaction_rates is not None:
+    row["speedup_vs_plain_compaction"] = round(common.median(
+        [rate / base for rate, base in zip(rates, compaction_rates)]), 3)
+  if "compaction" in outs[0].stats:
+    widths = [o.stats["compaction"] for o in outs]
+    row["widths"] = widths[0]["widths"]
+    row["rounds_by_width"] = np.mean([w["rounds_by_width"] for w in widths], axis=0).tolist()
+    row["seconds_by_width"] = np.round(np.mean([w["seconds_by_width"] for w in widths],
+                                               axis=0), 4).tolist()
+    row["tail_time_share"] = round(float(np.mean([w["tail_time_share"] for w in widths])), 3)
+  return row
 
 
 def _rounds_by_length(schedule) -> dict[int, int]:

@@ -177,3 +177,33 @@ def test_the_rl_config_passes_its_memory_budget_to_the_engine():
   assert config.rl.engine == sj.EngineConfig(num_slots=0, memory_budget_bytes=123456789)
   with pytest.raises(sj.ConfigError, match="memory_fraction"):
     experiment.experiment_config("tiny", ["--rl.engine.memory_fraction=1.5"])
+
+
+def test_a_compacting_rollout_counts_its_rounds_per_width_and_its_tail():
+  """With slot compaction the rollout's last samples decode in narrower programs: the
+  rounds per width add up to the target calls, slot-rounds count each round at its
+  width (fewer than at full width), and the tail's share of rounds is reported."""
+  mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  graphdef, params = nnx.split(sj.Transformer(POLICY, rngs=nnx.Rngs(0)))
+  state = rl.init_train_state(params, LEARNER, mesh, rng=jax.random.key(0))
+  config = experiment.experiment_config("tiny", ["--rl.engine.num_slots=0",
+                                                    "--rl.engine.compaction=true"])
+  # The untrained policy rarely emits EOS: a quarter of the vocabulary ends a response,
+  # so lengths are ragged and the live samples thin out.
+  stops = tuple(range(2, 2 + tokenizer.VOCAB_SIZE // 4))
+  ragged = rollout.RolloutConfig(group_size=4, prompts_per_step=4, sampling=sj.SamplingParams(
+      temperature=1.0, max_new_tokens=SAMPLING.max_new_tokens, stop_token_ids=stops))
+  program = sync.build_program(graphdef, POLICY, TASK, LEARNER, ragged, mesh, state,
+                               prompt_width=PROMPTS.tokens_PxT.shape[1],
+                               engine=config.rl.engine)
+  trajectories = program.rollout_jit(state, *_inputs(program, 0))
+  metrics = sync.to_host(rollout.rollout_metrics(trajectories, SAMPLING.max_new_tokens))
+  slots = ROLLOUT.prompts_per_step * ROLLOUT.group_size
+  assert metrics["rollout_slots"] == slots
+  by_width = metrics["rounds_by_width"]
+  assert len(by_width) == 5 and sum(by_width) == metrics["target_calls"]  # 16, 8, 4, 2, 1
+  assert sum(by_width[1:]) > 0, by_width  # responses ended at different rounds
+  assert metrics["slot_utilization"] > (
+      metrics["generated_tokens"] - slots) / (metrics["target_calls"] * slots)
+  assert 0 < metrics["tail_round_share"] <= 1
+  assert not metrics["pool_exhausted"]

@@ -29,6 +29,7 @@ from specrl_jax.rl.train_state import Batch
 from specrl_jax.rl.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.layout import engine_layout, padded_width
 from specrl_jax.sampling.sharded import engine_for_mesh, manual_axes
 from specrl_jax.speculative.drafters.base import Drafter
@@ -46,9 +47,11 @@ class Trajectories:
   batch: the learner's Batch with the rollout's log-probs (``rollout_logprobs``);
     its advantages and old_logprobs are left for the learner; rewards_R, lengths_R:
     per sample;
-  counters: target_calls, slots (decode slots), slot_rounds (target calls x slots),
-    request_rounds (rounds the samples decoded in), draft_rounds, accepted_per_position [depth] (all summed
-    over rollout shards); exhausted: any shard's KV page pool ran out;
+  counters: target_calls, slots (decode slots), slot_rounds (rounds x their widths),
+    request_rounds (rounds the samples decoded in), draft_rounds, accepted_per_position [depth],
+    rounds_by_width [stages] (rounds at each width of slot compaction; one entry without),
+    tail_rounds (rounds with at most half the slots live) (all summed over rollout
+    shards); exhausted: any shard's KV page pool ran out;
   policy_version: the number of updates of the weights that generated it.
   """
   batch: Batch
@@ -124,6 +127,7 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                          num_requests=local_prompts * group, sampling=sampling, engine=engine,
                          drafter=bound_drafter, tensor_shards=mesh.shape["tensor"])
   depth = topology.depth if topology is not None else 0
+  widths_W = jnp.asarray(stage_widths(layout.num_slots, layout.compaction_min_width), jnp.int32)
 
   def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng):
     rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
@@ -139,9 +143,14 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
     tokens, mask, log_probs = build_rows(
         tokens_PxT[prompt_of_request_R], lengths_P[prompt_of_request_R], final.out_tokens_RxL,
         final.out_lengths_R, final.out_log_probs_RxL)
+    rounds_by_width = final.counters["rounds_by_width"]
     counters = {"target_calls": final.counters["target_calls"],
                 "slots": jnp.int32(layout.num_slots),
-                "slot_rounds": final.counters["target_calls"] * layout.num_slots,
+                # What the rounds cost in slots: with compaction, narrower ones cost less.
+                "slot_rounds": jnp.sum(rounds_by_width * widths_W),
+                "rounds_by_width": rounds_by_width,
+                "tail_rounds": jnp.sum(
+                    final.counters["rounds_by_live"][:layout.num_slots // 2 + 1]),
                 "request_rounds": jnp.sum(final.counters["request_rounds_R"]),
                 "draft_rounds": final.counters.get("draft_rounds", jnp.int32(0)),
                 "accepted_per_position": final.counters.get(
@@ -203,6 +212,10 @@ def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str
       # Slot-rounds that decoded a live sequence: the rest is the batch waiting for its
       # slowest samples once no request is left to refill a freed slot.
       "slot_utilization": counters["request_rounds"] / jnp.maximum(counters["slot_rounds"], 1),
+      # The long tail: rounds with at most half the slots live (with slot compaction they
+      # run in narrower programs, counted per width).
+      "tail_round_share": counters["tail_rounds"] / jnp.maximum(counters["target_calls"], 1),
+      "rounds_by_width": counters["rounds_by_width"],
       "acceptance_length": acceptance_length(accepted, counters["draft_rounds"]),
       "per_position_acceptance": accepted / rounds,
       "pool_exhausted": trajectories.exhausted,

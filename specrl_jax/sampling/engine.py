@@ -53,6 +53,12 @@ class EngineConfig:
   memory_budget_bytes: or from an explicit budget: bytes per device for the weights and
     the pool together. With either, a batch whose slots cannot fit is refused before
     anything compiles, and num_slots=0 takes as many slots as fit (up to one per request).
+  compaction: once the live sequences (and the requests waiting for a slot) fit in half
+    the slots or fewer, continue them in a narrower compiled program, in power-of-two
+    widths down to ``compaction_min_width`` (``sampling.compaction``): a long-tailed
+    rollout's last sequences stop paying for full-width rounds. Each width compiles its
+    own loop.
+  compaction_min_width: the narrowest width compaction goes to (a power of two).
   """
   num_slots: int = 0
   page_size: int = 16
@@ -64,6 +70,8 @@ class EngineConfig:
   attention: str = "auto"
   memory_fraction: float | None = None
   memory_budget_bytes: int | None = None
+  compaction: bool = False
+  compaction_min_width: int = 1
 
   def __post_init__(self):
     owner = "EngineConfig"
@@ -81,7 +89,13 @@ class EngineConfig:
           self.continuous_batching, "True or False")
     check(isinstance(self.bucket_shapes, bool), owner, "bucket_shapes", self.bucket_shapes,
           "True or False")
-    normalise_numbers(self, ints=("num_slots", "page_size", "num_pages", "prompt_bucket"))
+    check(isinstance(self.compaction, bool), owner, "compaction", self.compaction,
+          "True or False")
+    width = self.compaction_min_width
+    check(is_integer(width) and width >= 1 and (int(width) & (int(width) - 1)) == 0, owner,
+          "compaction_min_width", width, "a power of two >= 1")
+    normalise_numbers(self, ints=("num_slots", "page_size", "num_pages", "prompt_bucket",
+                                  "compaction_min_width"))
     check(self.attention in ATTENTION_CHOICES, owner, "attention", self.attention,
           f"one of {ATTENTION_CHOICES}")
     fraction, budget = self.memory_fraction, self.memory_budget_bytes
@@ -254,8 +268,15 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
   # the whole page array to read and write it in one pass.
   k_tails, v_tails = jax.lax.optimization_barrier(
       ([k[source_N] for k in state.kv.k_pages], [v[source_N] for v in state.kv.v_pages]))
-  k_pages = tuple(k.at[destination_N].set(t) for k, t in zip(state.kv.k_pages, k_tails))
-  v_pages = tuple(v.at[destination_N].set(t) for v, t in zip(state.kv.v_pages, v_tails))
+  # One more destination, out of range and dropped: a scatter of a single page (one
+  # slot) would become a dynamic-update-slice, which XLA fused with the round's page
+  # gathers and then copied every layer's whole page array each round to update.
+  destination_D = jnp.append(destination_N, state.kv.k_pages[0].shape[0])
+  pad = lambda t: jnp.concatenate([t, jnp.zeros_like(t[:1])])
+  k_pages = tuple(k.at[destination_D].set(pad(t), mode="drop")
+                  for k, t in zip(state.kv.k_pages, k_tails))
+  v_pages = tuple(v.at[destination_D].set(pad(t), mode="drop")
+                  for v, t in zip(state.kv.v_pages, v_tails))
   table = jnp.where(admit_N[:, None], row_NxM, state.kv.page_table_BxM)
 
   # The prompt's own reference (held since prefill) goes once its last sample is in.
@@ -309,13 +330,18 @@ RoundFn = Callable[[DecodeState], DecodeState]
 
 def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
              sampling: SamplingParams, *, continuous: bool,
-             on_admit: AdmitHook | None = None, max_rounds: int | Array | None = None) -> DecodeState:
+             on_admit: AdmitHook | None = None, max_rounds: int | Array | None = None,
+             until_live: int | None = None) -> DecodeState:
   """Decodes until every request has finished or the page pool ran out (or after
-  ``max_rounds`` rounds)."""
+  ``max_rounds`` rounds, or once at most ``until_live`` sequences are decoding or
+  waiting: slot compaction then narrows the batch)."""
   num_requests = count_requests(prompts)
 
   def pending(state):
-    return ~is_done(state, num_requests)
+    busy = ~is_done(state, num_requests)
+    if until_live is None:
+      return busy
+    return busy & (live_sequences(state, num_requests) > until_live)
 
   # No lax.cond around these steps: a cond's untaken identity branch copies its whole
   # operand, i.e. every KV page, on each iteration. Each step is a no-op when its masks
@@ -342,7 +368,10 @@ def count_request_rounds(state: DecodeState, active_N: Array, request_N: Array) 
   pace (e.g. prompts a drafter predicts badly)."""
   rounds_R = state.counters["request_rounds_R"]
   rows_N = jnp.where(active_N, request_N, rounds_R.shape[0])
-  counters = dict(state.counters, request_rounds_R=rounds_R.at[rows_N].add(1, mode="drop"))
+  # And the round to the count of rounds with that many live slots (the tail's shape).
+  by_live = state.counters["rounds_by_live"]
+  counters = dict(state.counters, request_rounds_R=rounds_R.at[rows_N].add(1, mode="drop"),
+                  rounds_by_live=by_live.at[jnp.sum(active_N)].add(1, mode="drop"))
   return state.replace(counters=counters)
 
 
@@ -351,6 +380,12 @@ def count_requests(prompts: Prompts) -> Array:
   (-1, after every real request) are never admitted. Padding lets calls with nearby
   request counts share one compiled program (``sampling.programs``)."""
   return jnp.sum(prompts.prompt_of_request_R >= 0, dtype=jnp.int32)
+
+
+def live_sequences(state: DecodeState, num_requests: int | Array) -> Array:
+  """Sequences still decoding plus requests still waiting for a slot."""
+  return (jnp.sum(state.active_N, dtype=jnp.int32)
+          + jnp.maximum(num_requests - state.next_request, 0))
 
 
 def is_done(state: DecodeState, num_requests: int | Array) -> Array:

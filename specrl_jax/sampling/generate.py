@@ -25,7 +25,8 @@ from specrl_jax.sampling.layout import (
 )
 from specrl_jax.sampling.programs import bucket_inputs, trim
 from specrl_jax.sampling.results import GenerateOutput, raise_if_exhausted, to_output
-from specrl_jax.sampling.rollout import _generate_sharded, generate_whole
+from specrl_jax.sampling.compaction import compaction_stats
+from specrl_jax.sampling.rollout import _generate_sharded, generate_whole, widths_of
 
 # (graphdef, params, hook_params, inputs, rng, layout, placement) -> GenerateOutput.
 DecodeFn = Callable[..., GenerateOutput]
@@ -107,4 +108,8 @@ def _decode_on_shards(config, graphdef, params, prompts: list[list[int]], rng, *
                          out_log_probs_RxL=blocks.gather_rows(final.out_log_probs_RxL),
                          out_lengths_R=blocks.gather_rows(final.out_lengths_R),
                          counters=counters)
-  return to_output(merged, seconds, rounds, placement=placement, shards=len(blocks.real))
+  output = to_output(merged, seconds, rounds, placement=placement, shards=len(blocks.real))
+  if layout.compaction_min_width:
+    # Shards compact on their own; their rounds per width are summed.
+    output.stats["compaction"] = compaction_stats(counters, widths_of(layout))
+  return output

@@ -27,6 +27,8 @@ class Layout:
   pages_always_enough: int
   kv_dtype: str = "float32"
   attention: str = "auto"     # EngineConfig.attention, resolved in init_state
+  # The narrowest width slot compaction goes to (0: none; ``sampling.compaction``).
+  compaction_min_width: int = 0
 
 
 def group_prompts(prompts: list[list[int]]):
@@ -120,4 +122,5 @@ def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests:
                  max_pages_per_seq=max_pages,
                  max_new_tokens=sampling.max_new_tokens,
                  continuous=engine.continuous_batching, pages_always_enough=enough,
-                 kv_dtype=engine.kv_dtype or config.dtype, attention=engine.attention)
+                 kv_dtype=engine.kv_dtype or config.dtype, attention=engine.attention,
+                 compaction_min_width=engine.compaction_min_width if engine.compaction else 0)

@@ -117,7 +117,13 @@ class ProgramCache:
     """``function(*leading, *args, **static)`` through a compiled executable kept here.
     ``leading`` and ``static`` are static and must be hashable (they are part of the
     key, as jit's static arguments are); ``args`` are array pytrees."""
-    key = (function, leading, tuple(sorted(static.items())), _signature(args))
+    return self.compiled(function, leading, static, *args)(*args)
+
+  def compiled(self, function: Callable, leading: tuple, static: dict[str, Any], *args,
+               donate: tuple[int, ...] = ()):
+    """The executable ``call`` runs, compiled now if it is not kept (``donate``: the
+    positions in ``args`` whose buffers it may reuse, e.g. a decode state's pages)."""
+    key = (function, leading, tuple(sorted(static.items())), donate, _signature(args))
     with self._lock:
       executable = self._programs.get(key)
       if executable is not None:
@@ -128,12 +134,12 @@ class ProgramCache:
       # weakly on it, so they let go of this program when the cache evicts it.
       def program(*program_args):
         return function(*leading, *program_args, **static)
-      executable = jax.jit(program).lower(*args).compile()
+      executable = jax.jit(program, donate_argnums=donate).lower(*args).compile()
       with self._lock:
         self._programs[key] = executable
         self.compiles += 1
         self._evict()
-    return executable(*args)
+    return executable
 
   def info(self) -> dict[str, int]:
     with self._lock:

@@ -67,6 +67,8 @@ def to_output(final: DecodeState, seconds: float, rounds: Any = None, **hook_sta
       "tokens_per_second": generated / seconds if seconds > 0 else float("nan"),
       # Rounds each request decoded in (its first token is sampled at admission).
       "request_rounds": counters["request_rounds_R"],
+      # Rounds by the number of slots live in them: a long-tailed rollout's tail.
+      "rounds_by_live": counters["rounds_by_live"].tolist(),
       # A plain round emits one token.
       "acceptance_length": 1.0,
       "per_position_acceptance": [],

@@ -13,7 +13,9 @@ Rounds are plain unless a *round hook* is given (``rounds``, a static argument; 
   target_output) -> (state, prefill_kv)``: writes its own pages from the prefill;
 - ``loop(model, hook_params, state, sampling) -> (state, round_fn, on_admit)``: the
   decode loop's round and admission hook, after bringing the state in step;
-- ``stats(final, placement=..., shards=...) -> dict``: what the output reports of it.
+- ``stats(final, placement=..., shards=...) -> dict``: what the output reports of it;
+- ``compact_state(hook state, slots_W) -> hook state``: its state of the slots a narrower
+  program keeps (slot compaction, ``sampling.compaction``).
 
 ``hook_params`` is the hook's traced pytree (``rounds.params()`` by default).
 """
@@ -21,6 +23,7 @@ Rounds are plain unless a *round hook* is given (``rounds``, a static argument; 
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -32,6 +35,7 @@ from specrl_jax.config import SamplingParams
 from specrl_jax.kernels.dispatch import resolve_attention
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import PagedKV, init_pages
+from specrl_jax.sampling.compaction import compact, compaction_stats, stage_widths
 from specrl_jax.sampling.engine import DecodeState, Prompts, is_done, run_loop
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling import sharded
@@ -48,6 +52,9 @@ def generate_whole(graphdef, params, inputs, rng, *, sampling: SamplingParams, l
   weights were placed on a mesh, reported with its stats."""
   if hook_params is None:
     hook_params = rounds.params() if rounds is not None else ()
+  if layout.compaction_min_width:
+    return _generate_staged(graphdef, params, hook_params, inputs, rng, sampling=sampling,
+                            layout=layout, rounds=rounds, placement=placement)
   start = time.perf_counter()
   final = PROGRAMS.call(rollout, (graphdef,), dict(sampling=sampling, layout=layout,
                                                    rounds=rounds),
@@ -62,7 +69,9 @@ def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds
                ) -> DecodeState:
   layer_shapes = ((config.num_kv_heads, config.head_dim),) * config.num_layers
   counters = {"target_calls": jnp.int32(0),
-              "request_rounds_R": jnp.zeros((num_requests,), jnp.int32)}
+              "request_rounds_R": jnp.zeros((num_requests,), jnp.int32),
+              "rounds_by_live": jnp.zeros((layout.num_slots + 1,), jnp.int32),
+              "rounds_by_width": jnp.zeros((len(widths_of(layout)),), jnp.int32)}
   hook_state = ()
   if rounds is not None:
     layer_shapes += rounds.kv_layers()
@@ -113,16 +122,40 @@ def start_rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_o
 
 def continue_rollout(graphdef, params, hook_params, state: DecodeState, prompts: Prompts, *,
                      sampling: SamplingParams, layout: Layout, rounds: Any = None,
-                     max_rounds: int | jax.Array | None = None) -> DecodeState:
+                     max_rounds: int | jax.Array | None = None,
+                     until_live: int | None = None) -> DecodeState:
   """Runs decode rounds until every request has finished (or after ``max_rounds``
-  rounds: the adaptive engine re-chooses the draft length between calls)."""
+  rounds: the adaptive engine re-chooses the draft length between calls; or once at
+  most ``until_live`` sequences are live: compaction's stages)."""
   model = nnx.merge(graphdef, params)
   if rounds is None:
     round_fn, on_admit = (lambda s: plain_round(model, s, sampling)), None
   else:
     state, round_fn, on_admit = rounds.loop(model, hook_params, state, sampling)
   return run_loop(state, prompts, round_fn, sampling, continuous=layout.continuous,
-                  on_admit=on_admit, max_rounds=max_rounds)
+                  on_admit=on_admit, max_rounds=max_rounds, until_live=until_live)
+
+
+def widths_of(layout: Layout) -> tuple[int, ...]:
+  """The widths the decode loop runs in (one unless the layout compacts slots)."""
+  return stage_widths(layout.num_slots, layout.compaction_min_width)
+
+
+def run_stage(graphdef, params, hook_params, state: DecodeState, prompts: Prompts, *,
+              stage: int, sampling: SamplingParams, layout: Layout, rounds: Any = None
+              ) -> DecodeState:
+  """Stage ``stage`` of the decode loop (``sampling.compaction``): rounds at its width
+  until the live sequences fit the next width, then the state narrowed to it (the last
+  stage decodes to the end). Counts its rounds in ``rounds_by_width``."""
+  widths = widths_of(layout)
+  narrower = widths[stage + 1] if stage + 1 < len(widths) else None
+  calls_before = state.counters["target_calls"]
+  state = continue_rollout(graphdef, params, hook_params, state, prompts, sampling=sampling,
+                           layout=layout, rounds=rounds, until_live=narrower)
+  by_width = state.counters["rounds_by_width"]
+  state = state.replace(counters=dict(state.counters, rounds_by_width=by_width.at[stage].add(
+      state.counters["target_calls"] - calls_before)))
+  return state if narrower is None else compact(state, narrower, rounds)
 
 
 def rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_of_request_R,
@@ -134,8 +167,49 @@ def rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_of_requ
   state, prompts = start_rollout(graphdef, params, hook_params, tokens_UxT, lengths_U,
                                  prompt_of_request_R, last_request_U, rng, sampling=sampling,
                                  layout=layout, rounds=rounds)
-  return continue_rollout(graphdef, params, hook_params, state, prompts, sampling=sampling,
-                          layout=layout, rounds=rounds)
+  for stage in range(len(widths_of(layout))):
+    state = run_stage(graphdef, params, hook_params, state, prompts, stage=stage,
+                      sampling=sampling, layout=layout, rounds=rounds)
+  return state
+
+
+def _run_stage_reporting(graphdef, params, hook_params, state, prompts, **static):
+  """run_stage, also returning whether every request is done."""
+  state = run_stage(graphdef, params, hook_params, state, prompts, **static)
+  return state, is_done(state, prompts.prompt_of_request_R.shape[0])
+
+
+def _generate_staged(graphdef, params, hook_params, inputs, rng, *, sampling: SamplingParams,
+                     layout: Layout, rounds: Any, placement: str | None) -> GenerateOutput:
+  """generate_whole with slot compaction: the prefill, then one compiled program per
+  width, each timed from dispatch to its read-back (compiling excluded)."""
+  static = dict(sampling=sampling, layout=layout, rounds=rounds)
+  start = time.perf_counter()
+  state, prompts = PROGRAMS.call(start_rollout, (graphdef,), static, params, hook_params,
+                                 *inputs, rng)
+  widths = widths_of(layout)
+  seconds_by_width = [0.0] * len(widths)
+  for stage in range(len(widths)):
+    with warnings.catch_warnings():
+      # The per-slot rows of the wider state cannot hold the narrower one's; the pages,
+      # which are what donation is for, are reused.
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      program = PROGRAMS.compiled(_run_stage_reporting, (graphdef,),
+                                  dict(static, stage=stage), params, hook_params, state,
+                                  prompts, donate=(2,))
+    jax.block_until_ready(state)  # the prefill or the stage before, out of this one's time
+    began = time.perf_counter()
+    state, done = program(params, hook_params, state, prompts)
+    done = bool(done)
+    seconds_by_width[stage] = time.perf_counter() - began
+    if done:
+      break
+  final = fetch_results(state)
+  seconds = time.perf_counter() - start
+  raise_if_exhausted(final, layout, inputs)
+  output = to_output(final, seconds, rounds, placement=placement)
+  output.stats["compaction"] = compaction_stats(final.counters, widths, seconds_by_width)
+  return output
 
 
 _STATIC = ("graphdef", "sampling", "layout", "rounds")

@@ -57,6 +57,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
         f"adaptive speculation runs on meshes without batch shards: mesh {dict(mesh.shape)} "
         "splits requests over data*fsdp > 1. Use data = fsdp = 1 (tensor parallelism "
         "only), or a fixed SpecConfig(num_draft_tokens=...).")
+  if adaptive and engine.compaction:
+    raise ValueError("adaptive speculation does not compact slots yet: pass "
+                     "EngineConfig(compaction=False), or a fixed SpecConfig(num_draft_tokens=...) "
+                     "with compaction.")
   rounds = rounds_of(*speculation(config, sampling, drafter, spec))
   decode_fn = None
   if adaptive:

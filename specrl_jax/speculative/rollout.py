@@ -85,6 +85,9 @@ class Speculation:
 
     return state, round_fn, on_admit
 
+  def compact_state(self, drafter_state, slots_W):
+    return self.drafter.compact_state(drafter_state, slots_W)
+
   def stats(self, final: DecodeState, *, placement: str | None = None,
             shards: int | None = None) -> dict[str, Any]:
     """What a rollout reports of its drafting. shards: the final state stacks this many

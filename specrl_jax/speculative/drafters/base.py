@@ -129,6 +129,15 @@ class Drafter(abc.ABC):
     the last, which the next ``start`` feeds)."""
     return state, kv
 
+  def compact_state(self, state, slots_W: Array) -> Any:
+    """The state a narrower decode program keeps of the slots ``slots_W`` (slot
+    compaction, ``sampling.compaction``). A drafter that keeps per-slot state says how."""
+    if jax.tree.leaves(state):
+      raise NotImplementedError(
+          f"{type(self).__name__} keeps per-slot state but does not implement "
+          "compact_state: decode with EngineConfig(compaction=False), or implement it.")
+    return state
+
   def stats(self, state) -> dict[str, float]:
     """Drafter-specific statistics from the final drafter state (host arrays), reported
     by ``generate`` under ``stats["drafter"]`` (e.g. proposals and acceptance per source)."""

@@ -86,6 +86,10 @@ class CachedDrafter(Drafter):
   def on_admit(self, params, state, admit_N, prompt_lengths_N):
     return {"cache_lengths_N": jnp.where(admit_N, prompt_lengths_N, state["cache_lengths_N"])}
 
+  def compact_state(self, state, slots_W):
+    # The cache lives in the slot's pages, which compaction keeps with the slot.
+    return {"cache_lengths_N": state["cache_lengths_N"][slots_W]}
+
   def unseen_tokens(self, state, inputs):
     return unseen_tokens(inputs, state["cache_lengths_N"])
 

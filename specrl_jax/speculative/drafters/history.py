@@ -226,6 +226,18 @@ class History(Drafter):
     return state.replace(fallback=self.fallback.on_admit(params["fallback"], state.fallback,
                                                          admit_N, prompt_lengths_N))
 
+  def compact_state(self, state, slots_W):
+    # A dropped slot's last rollout joins the finished table, as when a slot is refilled.
+    kept_N = jnp.zeros(state.request_N.shape, bool).at[slots_W].set(True)
+    finished = _retire(state.finished, (state.request_N >= 0) & ~kept_N, state.keys_N,
+                       state.rows_NxL)
+    fallback = (self.fallback.compact_state(state.fallback, slots_W)
+                if self.fallback is not None else ())
+    return state.replace(request_N=state.request_N[slots_W], keys_N=state.keys_N[slots_W],
+                         rows_NxL=state.rows_NxL[slots_W],
+                         root_source_N=state.root_source_N[slots_W], finished=finished,
+                         fallback=fallback)
+
   # ----------------------------------------------------------------- matching
 
   def _sources(self, bank, finished: FinishedTable, inputs: RoundInputs, keys_N: Array,
