@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 from specrl_jax.kernels.shapes import check_paged_attention_shapes
 from specrl_jax.models.attention import MASK_VALUE
 
@@ -71,8 +71,7 @@ def paged_attention_tpu(q_BxTxHxD: Array, k_pages_PxKxSxD: Array,
   new_keys = new_mask_BxTxL.shape[-1]
   if pages_per_block is None:
     pages_per_block = min(max_pages, max(1, _TARGET_KEYS_PER_BLOCK // page_size))
-  check(isinstance(pages_per_block, int) and 1 <= pages_per_block, "paged_attention_tpu",
-        "pages_per_block", pages_per_block, "a positive integer")
+  check_positive_int("paged_attention_tpu", "pages_per_block", pages_per_block)
   groups = num_heads // num_kv_heads
   rows = q_len * groups
   num_blocks = pl.cdiv(max_pages, pages_per_block)

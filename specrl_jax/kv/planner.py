@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from specrl_jax.config import ModelConfig, check
+from specrl_jax.config import ModelConfig, check, check_positive_int
 
 
 class MemoryBudgetError(ValueError):
@@ -110,8 +110,7 @@ def plan_memory(config: ModelConfig, *, kv_dtype, page_size: int, weight_bytes: 
         "memory_budget_bytes", memory_budget_bytes,
         f"exactly one of memory_budget_bytes and memory_fraction (got memory_fraction="
         f"{memory_fraction!r})")
-  check(isinstance(tensor_shards, int) and tensor_shards > 0, owner, "tensor_shards",
-        tensor_shards, "a positive integer")
+  check_positive_int(owner, "tensor_shards", tensor_shards)
   layers = ((config.num_kv_heads, config.head_dim),) * config.num_layers + tuple(extra_kv_layers)
   page_bytes = bytes_per_page(layers, page_size=page_size, kv_dtype=kv_dtype,
                               tensor_shards=tensor_shards)

@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 
 # A process whose peers did not all join within the timeout exits with this code
 # (jax.distributed would abort the process a moment later with SIGABRT).
@@ -87,8 +87,7 @@ class DistributedConfig:
           "(auto-detection)")
     if self.coordinator is not None:
       _parse_address(owner, "coordinator", self.coordinator)
-      check(isinstance(self.num_processes, int) and self.num_processes > 0, owner,
-            "num_processes", self.num_processes, "a positive integer")
+      check_positive_int(owner, "num_processes", self.num_processes)
       check(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
             owner, "process_id", self.process_id, f"an integer in 0..{self.num_processes - 1}")
     for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):

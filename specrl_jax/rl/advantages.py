@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 
 Array = jax.Array
 
@@ -21,8 +21,7 @@ def group_advantages(rewards_B: Array, group_size: int, *, normalize_std: bool =
   rewards_B = jnp.asarray(rewards_B, jnp.float32)
   check(rewards_B.ndim == 1, "group_advantages", "rewards_B.shape", rewards_B.shape,
         "a 1-D array of per-sample rewards")
-  check(isinstance(group_size, int) and not isinstance(group_size, bool) and group_size > 0,
-        "group_advantages", "group_size", group_size, "a positive integer")
+  check_positive_int("group_advantages", "group_size", group_size)
   batch = rewards_B.shape[0]
   check(batch % group_size == 0, "group_advantages", "group_size", group_size,
         f"a divisor of the batch size {batch} (samples come in whole groups)")

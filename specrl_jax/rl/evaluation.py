@@ -12,7 +12,7 @@ import math
 import jax
 import numpy as np
 
-from specrl_jax.config import SamplingParams, check
+from specrl_jax.config import SamplingParams, check, check_positive_int
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.rl.tasks.base import encode_problems
 from specrl_jax.rl.tasks.dataset_task import DatasetTask
@@ -38,7 +38,7 @@ def evaluate(model: Transformer, task: DatasetTask, *, k: int = 8, temperature: 
 
   max_prompts: evaluate only the first this many usable rows (0: all).
   """
-  check(isinstance(k, int) and k >= 1, "evaluate", "k", k, "a positive integer")
+  check_positive_int("evaluate", "k", k)
   tok = task.tokenizer
   prompt_set = encode_problems(task.problems(), max_prompt_tokens=task.max_prompt_tokens,
                                text_tokenizer=tok)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specrl_jax.config import check, is_finite_number
+from specrl_jax.config import check, check_positive_int, is_finite_number
 
 Array = jax.Array
 
@@ -36,8 +36,7 @@ class LoRAConfig:
 
   def __post_init__(self):
     owner = "LoRAConfig"
-    check(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0,
-          owner, "rank", self.rank, "a positive integer")
+    check_positive_int(owner, "rank", self.rank)
     check(is_finite_number(self.alpha) and self.alpha > 0, owner, "alpha", self.alpha,
           "a finite number > 0")
     check(isinstance(self.targets, tuple) and self.targets

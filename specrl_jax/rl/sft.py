@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specrl_jax.config import check, is_finite_number
+from specrl_jax.config import check, check_positive_int, is_finite_number
 from specrl_jax.models import tokenizer
 from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.models.transformer import Transformer
@@ -48,7 +48,7 @@ class SFTConfig:
     owner = "SFTConfig"
     for name in ("steps", "batch_size"):
       value = getattr(self, name)
-      check(isinstance(value, int) and value > 0, owner, name, value, "a positive integer")
+      check_positive_int(owner, name, value)
     finite = lambda name: is_finite_number(getattr(self, name))
     check(finite("learning_rate") and self.learning_rate > 0, owner, "learning_rate",
           self.learning_rate, "a finite number > 0")

@@ -77,8 +77,11 @@ def bucket_inputs(inputs: tuple, layout, engine) -> tuple[tuple, Any]:
 def trim(output, num_requests: int):
   """A GenerateOutput of padded requests cut to the first ``num_requests``, with the
   program cache's figures in ``stats["program_cache"]``."""
+  # Padding requests are never live, so rounds_by_live ends at num_requests live slots.
   stats = dict(output.stats, request_rounds=output.stats["request_rounds"][:num_requests],
                program_cache=PROGRAMS.info())
+  if "rounds_by_live" in stats:
+    stats["rounds_by_live"] = stats["rounds_by_live"][:num_requests + 1]
   return dataclasses.replace(output, tokens=output.tokens[:num_requests],
                              lengths=output.lengths[:num_requests],
                              logprobs=output.logprobs[:num_requests], stats=stats)

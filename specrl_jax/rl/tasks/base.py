@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specrl_jax.config import ConfigError, check
+from specrl_jax.config import ConfigError, check, check_positive_int
 from specrl_jax.models import tokenizer
 from specrl_jax.models.text_tokenizer import TextTokenizer, UnknownTextError
 
@@ -196,8 +196,7 @@ def make_prompt_set(task: Task, size: int, *, seed: int, max_prompt_tokens: int 
                     bucket: int = 16) -> PromptSet:
   """``task``'s prompt problems (``size`` samples drawn with ``seed``, or a dataset's
   rows), encoded with the task's tokenizer."""
-  check(isinstance(size, int) and size > 0, "make_prompt_set", "size", size,
-        "a positive integer")
+  check_positive_int("make_prompt_set", "size", size)
   rng = np.random.default_rng(seed)
   return encode_problems(task.prompt_problems(size, rng),
                          max_prompt_tokens=max_prompt_tokens, bucket=bucket,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from specrl_jax.config import check, is_finite_number
+from specrl_jax.config import check, check_positive_int, is_finite_number
 from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.rl.tasks.base import Problem, Task
 from specrl_jax.rl.tasks.dataset import DatasetError
@@ -70,8 +70,7 @@ class DatasetTask(Task):
     check(len(self.records) > 0, owner, "records", "()", "at least one row")
     for field in ("max_prompt_length", "max_response_length", "threads"):
       value = getattr(self, field)
-      check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner, field,
-            value, "a positive integer")
+      check_positive_int(owner, field, value)
     check(self.timeout is None or (is_finite_number(self.timeout) and self.timeout > 0), owner,
           "timeout", self.timeout, "None or a finite number of seconds > 0")
     columns = set(self.records[0])

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 
 Array = jax.Array
 
@@ -55,8 +55,7 @@ class HistoryConfig:
     owner = "HistoryConfig"
     for name in ("max_prompts", "rollouts_per_prompt", "max_match", "finished_rollouts"):
       value = getattr(self, name)
-      check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner,
-            name, value, "a positive integer")
+      check_positive_int(owner, name, value)
     check(isinstance(self.siblings, int) and self.siblings >= 0, owner, "siblings",
           self.siblings, "an integer >= 0 (0 searches no siblings)")
     check(self.min_match is None or (isinstance(self.min_match, int)

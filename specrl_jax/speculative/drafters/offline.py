@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specrl_jax.config import ConfigError, SamplingParams, check
+from specrl_jax.config import ConfigError, SamplingParams, check, check_positive_int
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.generate import generate
@@ -106,8 +106,7 @@ class DrafterTrainingConfig:
     owner = "DrafterTrainingConfig"
     for name in ("num_updates", "batch_size", "unroll_steps"):
       value = getattr(self, name)
-      check(isinstance(value, int) and not isinstance(value, bool) and value > 0, owner,
-            name, value, "a positive integer")
+      check_positive_int(owner, name, value)
     check(isinstance(self.warmup_updates, int) and 0 <= self.warmup_updates, owner,
           "warmup_updates", self.warmup_updates, "an integer >= 0")
     check(self.learning_rate > 0, owner, "learning_rate", self.learning_rate, "> 0")

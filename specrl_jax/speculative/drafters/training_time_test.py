@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specrl_jax.config import check
+from specrl_jax.config import check, check_positive_int
 from specrl_jax.models.attention import grouped_attention
 from specrl_jax.models.transformer import ForwardOutput, Transformer
 from specrl_jax.speculative.drafters.hidden_state import (
@@ -104,8 +104,7 @@ def unrolled_loss(drafter: HiddenStateDrafter, weights: dict[str, Any], tokens_B
   chance a sampled draft at that depth is accepted, given its parent was) and
   "top1_agreement" [steps].
   """
-  check(isinstance(unroll_steps, int) and unroll_steps >= 1, "unrolled_loss", "unroll_steps",
-        unroll_steps, "a positive integer")
+  check_positive_int("unrolled_loss", "unroll_steps", unroll_steps)
   check(labels in LABELS, "unrolled_loss", "labels", labels, f"one of {LABELS}")
   head = merge_weights(drafter.graphdef, _frozen_tables(weights))
   batch, length = tokens_BxT.shape
