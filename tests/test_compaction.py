@@ -215,10 +215,10 @@ def test_the_history_drafter_keeps_the_rollouts_of_the_slots_compaction_drops():
   np.testing.assert_array_equal(narrow.keys_N, [7, 9])
   np.testing.assert_array_equal(narrow.rows_NxL[:, 0], [0, 3])
   # Slot 1's finished rollout stays searchable by its siblings; slot 2 never had one.
-  kept_F = np.asarray(narrow.finished.stamps_F) >= 0
-  assert kept_F.sum() == 1
-  assert np.asarray(narrow.finished.keys_F)[kept_F].tolist() == [8]
-  assert (np.asarray(narrow.finished.rows_FxL)[kept_F] == 1).all()
+  kept_U = np.asarray(narrow.finished.stamps_U) >= 0
+  assert kept_U.sum() == 1
+  assert np.asarray(narrow.finished.keys_U)[kept_U].tolist() == [8]
+  assert (np.asarray(narrow.finished.rows_UxL)[kept_U] == 1).all()
 
 
 class _SlotCounter(Drafter):
