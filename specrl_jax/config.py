@@ -227,8 +227,12 @@ class SpecConfig:
   its top tokens (a point mass / top-b distinct children).
   adaptive: choose the chain length per batch of ``rounds_per_decision`` rounds, from 0
     (plain decoding; the drafter only keeps up) to ``num_draft_tokens``, by the
-    acceptance and round times measured so far (``sj.speculative.adaptive``). Every
-    round stays lossless whatever length is chosen.
+    acceptance and round times measured so far (``sj.speculative.adaptive``), per live
+    width (``sj.speculative.concurrency``). Every round stays lossless whatever length
+    is chosen.
+  adaptive_trees: with adaptive, trees the controller may also choose (children per
+    depth, each no deeper than num_draft_tokens), e.g. ((2, 2, 1),): measured once per
+    width, then run where they beat the best chain.
   """
 
   num_draft_tokens: int = 3
@@ -236,6 +240,7 @@ class SpecConfig:
   draft_mode: str = "sample"
   adaptive: bool = False
   rounds_per_decision: int = 8
+  adaptive_trees: tuple[tuple[int, ...], ...] = ()
 
   def __post_init__(self):
     owner = "SpecConfig"
@@ -263,7 +268,33 @@ class SpecConfig:
           "None when adaptive=True (adaptive speculation chooses a chain length; a static "
           "tree has none to choose)")
     check_positive_int(owner, "rounds_per_decision", self.rounds_per_decision)
+    self._check_adaptive_trees(owner)
     normalise_numbers(self, ints=("num_draft_tokens", "rounds_per_decision"))
+
+  def _check_adaptive_trees(self, owner: str) -> None:
+    trees = self.adaptive_trees
+    allowed = ("a tuple of trees (tuples of positive children counts per depth), e.g. "
+               "((2, 2, 1),)")
+    check(isinstance(trees, (tuple, list)), owner, "adaptive_trees", trees, allowed)
+    check(not trees or self.adaptive, owner, "adaptive_trees", trees,
+          "() unless adaptive=True (a fixed shape is given by num_draft_tokens or tree)")
+    normalised = []
+    for tree in trees:
+      check(isinstance(tree, (tuple, list)) and len(tree) > 0
+            and all(is_integer(b) and b > 0 for b in tree), owner, "adaptive_trees", trees,
+            allowed)
+      tree = tuple(int(b) for b in tree)
+      check(len(tree) <= self.num_draft_tokens, owner, "adaptive_trees", trees,
+            f"trees no deeper than num_draft_tokens={self.num_draft_tokens} (the state "
+            "is built for the longest chain)")
+      check(any(b > 1 for b in tree), owner, "adaptive_trees", trees,
+            "trees that branch somewhere (chains are chosen by their length already)")
+      check(tree_nodes(tree) <= MAX_TREE_NODES, owner, "adaptive_trees", trees,
+            f"trees of at most {MAX_TREE_NODES} draft nodes")
+      normalised.append(tree)
+    check(len(set(normalised)) == len(normalised), owner, "adaptive_trees", trees,
+          "distinct trees")
+    object.__setattr__(self, "adaptive_trees", tuple(normalised))
 
   @property
   def depth(self) -> int:

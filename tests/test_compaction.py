@@ -238,11 +238,3 @@ class _SlotCounter(Drafter):
 def test_a_drafter_with_per_slot_state_and_no_compact_state_is_refused(target):
   with pytest.raises(NotImplementedError, match="_SlotCounter.*compact_state.*compaction=False"):
     _SlotCounter().compact_state({"seen_N": np.zeros(4)}, np.arange(2))
-
-
-def test_adaptive_speculation_with_compaction_is_refused_before_compiling(target,
-                                                                          noisy_drafter):
-  with pytest.raises(ValueError, match="adaptive speculation does not compact.*compaction=False"):
-    generate(target, PROMPTS, drafter=noisy_drafter,
-             spec=SpecConfig(num_draft_tokens=2, adaptive=True),
-             engine=EngineConfig(compaction=True))

@@ -36,7 +36,7 @@ from specrl_jax.kernels.dispatch import resolve_attention
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import PagedKV, init_pages
 from specrl_jax.sampling.compaction import compact, compaction_stats, stage_widths
-from specrl_jax.sampling.engine import DecodeState, Prompts, is_done, run_loop
+from specrl_jax.sampling.engine import DecodeState, Prompts, is_done, live_sequences, run_loop
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling import sharded
 from specrl_jax.sampling.prefill import prefill
@@ -216,14 +216,24 @@ _STATIC = ("graphdef", "sampling", "layout", "rounds")
 _start = jax.jit(start_rollout, static_argnames=_STATIC)
 
 
-def _continue_reporting(graphdef, params, hook_params, state, prompts, max_rounds, **static):
-  """continue_rollout, also returning (counters, whether every request is done, the
-  tail report): the adaptive engine reads these few numbers between batches of rounds.
+def _continue_reporting(graphdef, params, hook_params, state, prompts, max_rounds, *,
+                        stage: int = 0, **static):
+  """Rounds at the width of ``stage`` (``widths_of``) until ``max_rounds`` have run,
+  every request is done, or the live sequences fit the next width; returns the state
+  and (counters, whether every request is done, the tail report, the live sequences):
+  the adaptive engine reads these few numbers between batches of rounds.
   ``max_rounds`` is traced, so batches of any size share one program."""
+  widths = widths_of(static["layout"])
+  narrower = widths[stage + 1] if stage + 1 < len(widths) else None
+  calls_before = state.counters["target_calls"]
   state = continue_rollout(graphdef, params, hook_params, state, prompts,
-                           max_rounds=max_rounds, **static)
+                           max_rounds=max_rounds, until_live=narrower, **static)
+  by_width = state.counters["rounds_by_width"]
+  state = state.replace(counters=dict(state.counters, rounds_by_width=by_width.at[stage].add(
+      state.counters["target_calls"] - calls_before)))
   num_requests = prompts.prompt_of_request_R.shape[0]
-  return state, (state.counters, is_done(state, num_requests), _tail(state, num_requests))
+  return state, (state.counters, is_done(state, num_requests), _tail(state, num_requests),
+                 live_sequences(state, num_requests))
 
 
 def _tail(state: DecodeState, num_requests: int) -> tuple[jax.Array, jax.Array]:
@@ -255,5 +265,8 @@ def _sharded_rollout(graphdef, params, hook_params, rng, tokens_QxUxT, lengths_Q
 
 _generate_sharded = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))
 
-_continue_and_report = jax.jit(_continue_reporting, static_argnames=_STATIC,
+_continue_and_report = jax.jit(_continue_reporting, static_argnames=_STATIC + ("stage",),
                                donate_argnames=("state",))
+# The narrower state cannot reuse the wider one's per-slot rows; its pages, which are
+# what donation is for, are reused.
+_compact = jax.jit(compact, static_argnames=("width", "hook"), donate_argnames=("state",))

@@ -7,6 +7,7 @@ are also submodule names here, so the face leaves those functions out."""
 from specrl_jax.lazy import lazy_face
 
 _SOURCES = {
+    "ConcurrencyAwareController": "concurrency",
     "DraftLengthController": "adaptive",
     "DraftTree": "drafting",
     "Speculation": "rollout",

@@ -211,6 +211,12 @@ class DraftLengthController:
     self._last_best = k
     return k
 
+  @property
+  def probing(self) -> bool:
+    """Whether the last choice was a probe (a neighbour or the longest chain re-measured)
+    rather than the length believed best."""
+    return self._probing
+
   def decision_rounds(self, base: int) -> int:
     """Rounds to run for the length just chosen: ``base``, doubled for each decision in
     a row that chose it (exploration and probes run ``base``)."""

@@ -19,7 +19,8 @@ from specrl_jax.sampling.inputs import check_arguments
 from specrl_jax.sampling.layout import pack
 from specrl_jax.sampling.results import GenerateOutput, PagePoolExhaustedError
 from specrl_jax.speculative.adaptive import DraftLengthController
-from specrl_jax.speculative.adaptive_generate import generate_adaptive
+from specrl_jax.speculative.adaptive_generate import adaptive_controller, generate_adaptive
+from specrl_jax.speculative.concurrency import ConcurrencyAwareController
 from specrl_jax.speculative.rollout import Speculation, rollout, rounds_of, speculation
 
 # What callers that compile a rollout into a larger program use (``prepare`` packs the
@@ -31,14 +32,18 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
              drafter=None, spec: SpecConfig | None = None,
              engine: EngineConfig = EngineConfig(),
-             controller: DraftLengthController | None = None,
+             controller: ConcurrencyAwareController | DraftLengthController | None = None,
              mesh: Mesh | None = None) -> GenerateOutput:
   """Samples a response for every prompt (repeat a prompt G times for a GRPO group:
   identical prompts are prefilled once and share their KV pages).
 
-  controller: with ``SpecConfig(adaptive=True)``, the draft-length controller to use and
-  update; pass the same one to every call of a run (e.g. each RL step) so that what
-  it measured carries over instead of being explored again. Default: a fresh one.
+  controller: with ``SpecConfig(adaptive=True)``, the controller to use and update; pass
+    the same one to every call of a run (e.g. each RL step) so that what it measured
+    carries over instead of being explored again. Default: a fresh
+    ``ConcurrencyAwareController`` (a shape per live width: with
+    ``EngineConfig(compaction=True)`` a long-tailed rollout's tail can draft longer than
+    its full batch). A ``DraftLengthController`` chooses one chain length for every
+    width.
   mesh: a ("data", "fsdp", "tensor") mesh (``specrl_jax.parallel.make_mesh``) to decode
     on: the weights and the KV pages' heads are split over "tensor", the requests over
     ("data", "fsdp") in contiguous blocks, each shard with its own page pool and slots
@@ -57,13 +62,10 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
         f"adaptive speculation runs on meshes without batch shards: mesh {dict(mesh.shape)} "
         "splits requests over data*fsdp > 1. Use data = fsdp = 1 (tensor parallelism "
         "only), or a fixed SpecConfig(num_draft_tokens=...).")
-  if adaptive and engine.compaction:
-    raise ValueError("adaptive speculation does not compact slots yet: pass "
-                     "EngineConfig(compaction=False), or a fixed SpecConfig(num_draft_tokens=...) "
-                     "with compaction.")
   rounds = rounds_of(*speculation(config, sampling, drafter, spec))
   decode_fn = None
   if adaptive:
+    controller = adaptive_controller(controller, spec.num_draft_tokens, spec.adaptive_trees)
     decode_fn = functools.partial(_adaptive, rounds, sampling=sampling,
                                   rounds_per_decision=spec.rounds_per_decision,
                                   controller=controller)
@@ -73,7 +75,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
 
 def _adaptive(rounds: Speculation, graphdef, params, drafter_params, inputs, rng, layout,
               placement, *, sampling: SamplingParams, rounds_per_decision: int,
-              controller: DraftLengthController | None) -> GenerateOutput:
+              controller: ConcurrencyAwareController) -> GenerateOutput:
   output = generate_adaptive(graphdef, params, rounds.drafter, inputs, rng, sampling=sampling,
                              layout=layout, topology=rounds.topology,
                              draft_mode=rounds.draft_mode,
