@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specrl_jax.config import check, is_finite_number
+from specrl_jax.config import check, check_finite_number, is_finite_number
 from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.rl.tasks.dataset import read_records, split_records
 from specrl_jax.rl.tasks.dataset_task import DatasetTask
@@ -66,10 +66,8 @@ class DataSection:
       value = getattr(self, name)
       check(isinstance(value, int) and not isinstance(value, bool) and value >= low, owner,
             name, value, f"an integer >= {low}")
-    check(is_finite_number(self.reward_timeout) and self.reward_timeout > 0, owner,
-          "reward_timeout", self.reward_timeout, "a finite number of seconds > 0")
-    check(is_finite_number(self.correct_threshold), owner, "correct_threshold",
-          self.correct_threshold, "a finite number")
+    check_finite_number(owner, "reward_timeout", self.reward_timeout, above=0, why="(seconds)")
+    check_finite_number(owner, "correct_threshold", self.correct_threshold)
     check(not (self.eval_every and not self.has_eval), owner, "eval_every", self.eval_every,
           "0 unless held-out rows are given (eval_path or eval_fraction > 0)")
 
