@@ -46,6 +46,29 @@ def check_non_negative_int(owner: str, name: str, value: Any,
   check(is_integer(value) and value >= 0, owner, name, value, allowed)
 
 
+def check_finite_number(owner: str, name: str, value: Any, *, above: float | None = None,
+                        at_least: float | None = None, at_most: float | None = None,
+                        why: str = "") -> None:
+  """The package's one real-number check: finite (an infinite learning rate trains NaN
+  weights, an infinite cap caps nothing), never a bool, and within the bounds given
+  (``above`` or ``at_least``, and ``at_most``). The message is built from the bounds, so
+  it cannot drift from what is checked; ``why`` adds a reason to it."""
+  ok = (is_finite_number(value) and (above is None or value > above)
+        and (at_least is None or value >= at_least) and (at_most is None or value <= at_most))
+  if above is not None:
+    low_bound, low_bracket = f"> {above}", f"({above}"
+  elif at_least is not None:
+    low_bound, low_bracket = f">= {at_least}", f"[{at_least}"
+  else:
+    low_bound = low_bracket = ""
+  if at_most is None:
+    bounds = low_bound
+  else:
+    bounds = f"in {low_bracket}, {at_most}]" if low_bracket else f"<= {at_most}"
+  allowed = " ".join(part for part in ("a finite number", bounds, why) if part)
+  check(ok, owner, name, value, allowed)
+
+
 def normalise_numbers(config: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()
                       ) -> None:
   """Stores checked numpy scalars as Python ints and floats, so that a config hashes,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specrl_jax.config import check, is_finite_number
+from specrl_jax.config import (check, check_finite_number, check_non_negative_int,
+                               check_positive_int, is_finite_number, is_integer)
 from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.rl.tasks.dataset import read_records, split_records
 from specrl_jax.rl.tasks.dataset_task import DatasetTask
@@ -60,16 +61,14 @@ class DataSection:
           "eval_fraction", self.eval_fraction, "a fraction in [0, 1)")
     check(not (self.eval_path and self.eval_fraction), owner, "eval_fraction",
           self.eval_fraction, "0 when eval_path is given (one source of held-out rows)")
-    for name, low in (("eval_every", 0), ("eval_k", 1), ("eval_max_prompts", 0),
-                      ("reward_threads", 1), ("max_prompt_tokens", 2),
-                      ("max_response_tokens", 1), ("seed", 0)):
-      value = getattr(self, name)
-      check(isinstance(value, int) and not isinstance(value, bool) and value >= low, owner,
-            name, value, f"an integer >= {low}")
-    check(is_finite_number(self.reward_timeout) and self.reward_timeout > 0, owner,
-          "reward_timeout", self.reward_timeout, "a finite number of seconds > 0")
-    check(is_finite_number(self.correct_threshold), owner, "correct_threshold",
-          self.correct_threshold, "a finite number")
+    for name in ("eval_every", "eval_max_prompts", "seed"):
+      check_non_negative_int(owner, name, getattr(self, name))
+    for name in ("eval_k", "reward_threads", "max_response_tokens"):
+      check_positive_int(owner, name, getattr(self, name))
+    check(is_integer(self.max_prompt_tokens) and self.max_prompt_tokens >= 2, owner,
+          "max_prompt_tokens", self.max_prompt_tokens, "an integer >= 2")
+    check_finite_number(owner, "reward_timeout", self.reward_timeout, above=0, why="(seconds)")
+    check_finite_number(owner, "correct_threshold", self.correct_threshold)
     check(not (self.eval_every and not self.has_eval), owner, "eval_every", self.eval_every,
           "0 unless held-out rows are given (eval_path or eval_fraction > 0)")
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from specrl_jax.config import (ConfigError, ModelConfig, SamplingParams, check,
-                               check_non_negative_int, check_positive_int, is_finite_number)
+                               check_finite_number, check_non_negative_int,
+                               check_positive_int)
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.data_section import DataSection
 from specrl_jax.rl.learner import LearnerConfig
@@ -23,12 +24,6 @@ from specrl_jax.rl.overrides import apply_overrides, from_dict_of, to_dict  # no
 from specrl_jax.rl.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
 from specrl_jax.sampling.engine import EngineConfig
-
-
-def _number(owner, name, value, ok, allowed):
-  """A finite number for which ``ok`` holds (every float field is checked so: an
-  infinite learning rate trains NaN weights, an infinite cap caps nothing)."""
-  check(is_finite_number(value) and ok(value), owner, name, value, f"a finite number {allowed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,7 +72,7 @@ class DrafterSection:
     owner = "DrafterSection"
     check(self.kind in DRAFTER_KINDS, owner, "kind", self.kind, f"one of {DRAFTER_KINDS}")
     check_positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
-    _number(owner, "loss_weight", self.loss_weight, lambda v: v >= 0, ">= 0")
+    check_finite_number(owner, "loss_weight", self.loss_weight, at_least=0)
     check(isinstance(self.online, bool), owner, "online", self.online, "True or False")
     check_positive_int(owner, "ngram_n", self.ngram_n)
     check(isinstance(self.model, ModelSection) and self.model.path == "", owner, "model.path",
@@ -125,8 +120,8 @@ class WarmStartSection:
       check_non_negative_int(owner, name, getattr(self, name))
     check_positive_int(owner, "sft_batch_size", self.sft_batch_size)
     for name in ("sft_learning_rate", "distill_learning_rate"):
-      _number(owner, name, getattr(self, name), lambda v: v > 0, "> 0")
-    _number(owner, "sft_noise", self.sft_noise, lambda v: 0 <= v <= 1, "in [0, 1]")
+      check_finite_number(owner, name, getattr(self, name), above=0)
+    check_finite_number(owner, "sft_noise", self.sft_noise, at_least=0, at_most=1)
 
 
 RL_MODES = ("sync", "async")
@@ -166,8 +161,8 @@ class RLSection:
     check(isinstance(self.engine, EngineConfig), owner, "engine", self.engine,
           "an EngineConfig")
     check_non_negative_int(owner, "max_policy_lag", self.max_policy_lag)
-    _number(owner, "temperature", self.temperature, lambda v: v > 0,
-            "> 0 (GRPO needs sampled rollouts)")
+    check_finite_number(owner, "temperature", self.temperature, above=0,
+                        why="(GRPO needs sampled rollouts)")
     check_non_negative_int(owner, "seed", self.seed)
     check(isinstance(self.mesh, tuple) and len(self.mesh) == 3
           and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.mesh),

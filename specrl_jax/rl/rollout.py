@@ -86,22 +86,23 @@ def build_rows(prompt_tokens_RxT: Array, prompt_lengths_R: Array, response_RxL: 
   """The learner's rows: prompt then response, right-padded with token 0 (any id
   would do: padded positions come after the row's tokens and are masked out).
 
-  Returns (tokens int32 [R, T + L], response mask [R, T + L], rollout log-probs
-  aligned with the tokens [R, T + L]).
+  A row spans C = T + L tokens: a request's prompt and its output, as C does for a
+  drafter's slot. Returns (tokens int32 [R, C], response mask [R, C], rollout log-probs
+  aligned with the tokens [R, C]).
   """
   prompt_width, response_width = prompt_tokens_RxT.shape[1], response_RxL.shape[1]
-  position_S = jnp.arange(prompt_width + response_width)
-  offset_RxS = position_S[None, :] - prompt_lengths_R[:, None]
-  in_response_RxS = (offset_RxS >= 0) & (offset_RxS < response_lengths_R[:, None])
-  read_RxS = jnp.clip(offset_RxS, 0, response_width - 1)
-  response_tokens = jnp.take_along_axis(response_RxL, read_RxS, axis=1)
-  prompt_tokens = jnp.pad(prompt_tokens_RxT, ((0, 0), (0, response_width)))
-  in_prompt_RxS = position_S[None, :] < prompt_lengths_R[:, None]
-  tokens = jnp.where(in_response_RxS, response_tokens,
-                     jnp.where(in_prompt_RxS, prompt_tokens, 0))
-  log_probs = jnp.where(in_response_RxS,
-                        jnp.take_along_axis(response_log_probs_RxL, read_RxS, axis=1), 0.0)
-  return tokens.astype(jnp.int32), in_response_RxS, log_probs
+  position_C = jnp.arange(prompt_width + response_width)
+  offset_RxC = position_C[None, :] - prompt_lengths_R[:, None]
+  in_response_RxC = (offset_RxC >= 0) & (offset_RxC < response_lengths_R[:, None])
+  read_RxC = jnp.clip(offset_RxC, 0, response_width - 1)
+  response_tokens_RxC = jnp.take_along_axis(response_RxL, read_RxC, axis=1)
+  prompt_tokens_RxC = jnp.pad(prompt_tokens_RxT, ((0, 0), (0, response_width)))
+  in_prompt_RxC = position_C[None, :] < prompt_lengths_R[:, None]
+  tokens_RxC = jnp.where(in_response_RxC, response_tokens_RxC,
+                         jnp.where(in_prompt_RxC, prompt_tokens_RxC, 0))
+  log_probs_RxC = jnp.where(
+      in_response_RxC, jnp.take_along_axis(response_log_probs_RxL, read_RxC, axis=1), 0.0)
+  return tokens_RxC.astype(jnp.int32), in_response_RxC, log_probs_RxC
 
 
 def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,

@@ -24,7 +24,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from specrl_jax.config import check, check_non_negative_int, check_positive_int
+from specrl_jax.config import check, check_finite_number, check_non_negative_int, check_positive_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.model_spec import ModelSpec
@@ -79,7 +79,7 @@ class LinearCallCost:
 
   def __post_init__(self):
     for field in ("overhead_s", "per_token_s", "per_sequence_s"):
-      validation.non_negative_number("LinearCallCost", field, getattr(self, field))
+      check_finite_number("LinearCallCost", field, getattr(self, field), at_least=0)
 
   def seconds(self, batch_size: int, query_tokens: int = 1) -> float:
     return (self.overhead_s + self.per_token_s * batch_size * query_tokens
@@ -121,9 +121,9 @@ class MeasuredCallCost:
           self.tokens, "strictly increasing token counts")
     for i, (count, seconds) in enumerate(zip(self.tokens, self.seconds_at)):
       check_positive_int(owner, f"tokens[{i}]", count)
-      validation.positive_number(owner, f"seconds_at[{i}]", seconds)
-    validation.non_negative_number(owner, "overhead_s", self.overhead_s)
-    validation.non_negative_number(owner, "per_sequence_s", self.per_sequence_s)
+      check_finite_number(owner, f"seconds_at[{i}]", seconds, above=0)
+    check_finite_number(owner, "overhead_s", self.overhead_s, at_least=0)
+    check_finite_number(owner, "per_sequence_s", self.per_sequence_s, at_least=0)
 
   def seconds(self, batch_size: int, query_tokens: int = 1) -> float:
     return (self.overhead_s + self.per_sequence_s * batch_size
@@ -166,8 +166,8 @@ class RooflineCallCost:
     owner = "RooflineCallCost"
     validation.one_of(owner, "precision", self.precision, ("fp32", "bf16", "fp8"))
     check_non_negative_int(owner, "context_tokens", self.context_tokens)
-    validation.non_negative_number(owner, "overhead_s", self.overhead_s)
-    validation.positive_number(owner, "scale", self.scale)
+    check_finite_number(owner, "overhead_s", self.overhead_s, at_least=0)
+    check_finite_number(owner, "scale", self.scale, above=0)
     check_positive_int(owner, "tp", self.tp)
 
   def roofline_seconds(self, batch_size: int, query_tokens: int = 1) -> float:
@@ -233,8 +233,8 @@ class SpeculationCostModel:
       check(callable(getattr(getattr(self, field), "seconds", None)),
             "SpeculationCostModel", field, getattr(self, field),
             "an object with seconds(batch_size, query_tokens)")
-    validation.non_negative_number("SpeculationCostModel", "round_overhead_s",
-                                   self.round_overhead_s)
+    check_finite_number("SpeculationCostModel", "round_overhead_s", self.round_overhead_s,
+                        at_least=0)
 
   @classmethod
   def from_measurements(cls, *, target_points: Sequence[CallPoint],

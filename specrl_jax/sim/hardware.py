@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from specrl_jax.config import ConfigError, check, check_positive_int
+from specrl_jax.config import ConfigError, check, check_finite_number, check_positive_int
 from specrl_jax.sim import validation
 
 GB = 1e9
@@ -49,11 +49,11 @@ class HardwareProfile:
           "a non-empty string")
     for field in ("peak_flops_bf16", "peak_flops_fp8", "hbm_bandwidth", "hbm_capacity",
                   "interconnect_bandwidth", "scale_out_bandwidth"):
-      validation.positive_number(owner, field, getattr(self, field))
+      check_finite_number(owner, field, getattr(self, field), above=0)
     check_positive_int(owner, "scale_up_domain", self.scale_up_domain)
-    validation.non_negative_number(owner, "collective_latency_s", self.collective_latency_s)
+    check_finite_number(owner, "collective_latency_s", self.collective_latency_s, at_least=0)
     if self.peak_flops_fp32 is not None:
-      validation.positive_number(owner, "peak_flops_fp32", self.peak_flops_fp32)
+      check_finite_number(owner, "peak_flops_fp32", self.peak_flops_fp32, above=0)
 
   def peak_flops(self, precision: str) -> float:
     owner = f"HardwareProfile({self.name!r})"

@@ -14,8 +14,7 @@ import statistics
 
 import numpy as np
 
-from specrl_jax.config import check, check_positive_int
-from specrl_jax.sim import validation
+from specrl_jax.config import check, check_finite_number, check_positive_int
 
 
 def _stratified_probabilities(n: int) -> np.ndarray:
@@ -56,8 +55,8 @@ class LogNormalLengths:
 
   def __post_init__(self):
     owner = "LogNormalLengths"
-    validation.positive_number(owner, "median", self.median)
-    validation.positive_number(owner, "sigma", self.sigma)
+    check_finite_number(owner, "median", self.median, above=0)
+    check_finite_number(owner, "sigma", self.sigma, above=0)
     check_positive_int(owner, "max_length", self.max_length)
     check_positive_int(owner, "min_length", self.min_length)
     check(self.min_length <= self.max_length, owner, "min_length", self.min_length,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specrl_jax.config import ModelConfig, check, check_non_negative_int, check_positive_int
+from specrl_jax.config import (ModelConfig, check, check_finite_number, check_non_negative_int,
+                               check_positive_int)
 from specrl_jax.sim import validation
 
 
@@ -182,7 +183,7 @@ class DrafterSpec:
     check((self.step_network is None) == (self.kind == "ngram"), owner, "step_network",
           self.step_network, "None exactly when kind='ngram'")
     check_non_negative_int(owner, "round_matmul_params", self.round_matmul_params)
-    validation.non_negative_number(owner, "host_seconds_per_round", self.host_seconds_per_round)
+    check_finite_number(owner, "host_seconds_per_round", self.host_seconds_per_round, at_least=0)
 
   @property
   def params(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from specrl_jax.config import check, check_positive_int
+from specrl_jax.config import check, check_finite_number, check_positive_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.model_spec import DrafterSpec, ModelSpec
@@ -62,12 +62,12 @@ class EngineProfile:
   def __post_init__(self):
     owner = f"EngineProfile({self.name!r})"
     validation.one_of(owner, "weight_precision", self.weight_precision, tuple(_BYTES_PER_PARAM))
-    validation.positive_number(owner, "kv_bytes_per_element", self.kv_bytes_per_element)
+    check_finite_number(owner, "kv_bytes_per_element", self.kv_bytes_per_element, above=0)
     validation.unit_interval(owner, "compute_efficiency", self.compute_efficiency, open_low=True)
     validation.unit_interval(owner, "memory_efficiency", self.memory_efficiency, open_low=True)
-    validation.non_negative_number(owner, "forward_overhead_s", self.forward_overhead_s)
-    validation.non_negative_number(owner, "draft_step_overhead_s", self.draft_step_overhead_s)
-    validation.non_negative_number(owner, "layer_overhead_s", self.layer_overhead_s)
+    check_finite_number(owner, "forward_overhead_s", self.forward_overhead_s, at_least=0)
+    check_finite_number(owner, "draft_step_overhead_s", self.draft_step_overhead_s, at_least=0)
+    check_finite_number(owner, "layer_overhead_s", self.layer_overhead_s, at_least=0)
     validation.unit_interval(owner, "memory_utilization", self.memory_utilization, open_low=True)
     check_positive_int(owner, "max_num_seqs", self.max_num_seqs)
 

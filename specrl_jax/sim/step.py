@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from specrl_jax.config import check, check_non_negative_int
+from specrl_jax.config import check, check_finite_number, check_non_negative_int
 from specrl_jax.sim import validation
 from specrl_jax.sim.hardware import HardwareProfile
 from specrl_jax.sim.layout import ParallelLayout
@@ -57,14 +57,14 @@ class StepSpec:
     else:
       check(self.policy_lag >= 1, owner, "policy_lag", self.policy_lag,
             ">= 1 in async mode")
-    validation.non_negative_number(owner, "data_seconds", self.data_seconds)
-    validation.non_negative_number(owner, "prepare_seconds", self.prepare_seconds)
+    check_finite_number(owner, "data_seconds", self.data_seconds, at_least=0)
+    check_finite_number(owner, "prepare_seconds", self.prepare_seconds, at_least=0)
     validation.unit_interval(owner, "logprob_mfu", self.logprob_mfu, open_low=True)
     validation.unit_interval(owner, "train_mfu", self.train_mfu, open_low=True)
     check(isinstance(self.online_drafter, bool), owner, "online_drafter",
           self.online_drafter, "a bool")
     validation.unit_interval(owner, "drafter_train_mfu", self.drafter_train_mfu, open_low=True)
-    validation.positive_number(owner, "weight_bytes_per_param", self.weight_bytes_per_param)
+    check_finite_number(owner, "weight_bytes_per_param", self.weight_bytes_per_param, above=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
