@@ -16,12 +16,16 @@ heavy-tailed number of digits (``longtail_prompts``: most answers take ~20 token
 longest run past the target's training range to 100-256), and every configuration runs
 with and without slot compaction (``EngineConfig(compaction=True)``): plain, plain with
 compaction, and each speculative configuration with compaction, the same seeds,
-interleaved; rows report the rounds and seconds per compiled width and the tail's share.
+interleaved; rows report the rounds and seconds per compiled width, the tail's share and
+the speed-up over plain decoding with compaction at each width (``--plot`` draws it).
+Adaptive configurations then run with compaction and a ``ConcurrencyAwareController``
+(a shape per width; ``--adaptive-trees 2x2x1`` adds trees to its menu).
 
   python experiments/bench_spec.py [--size small|medium] [--batches 1 8 32]
       [--ks 1 2 3 4 5 6 7] [--samples 7] [--no-trees] [--no-ngram] [--no-adaptive]
       [--learned] [--adaptive-warmup 6] [--train-steps 200 150]
-      [--lengths task|longtail] [--max-new-tokens 256]
+      [--lengths task|longtail] [--max-new-tokens 256] [--adaptive-trees 2x2x1 ...]
+      [--plot results/cpu/bench_spec_longtail.png]
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ import spec_pair  # noqa: E402
 
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
+from specrl_jax.sampling.programs import set_program_cache_size  # noqa: E402
 from specrl_jax.speculative.adaptive import DraftLengthController  # noqa: E402
+from specrl_jax.speculative.concurrency import ConcurrencyAwareController, shape_label  # noqa: E402
 
 TREES = ((2, 1, 1), (2, 2, 1), (3, 2, 1, 1))
 
@@ -101,6 +107,11 @@ def main(argv=None) -> int:
                       "(longtail_prompts), each configuration also with slot compaction")
   parser.add_argument("--max-new-tokens", type=int, default=256,
                       help="the response budget with --lengths longtail")
+  parser.add_argument("--adaptive-trees", nargs="*", default=[],
+                      help="trees the adaptive controller may also choose, e.g. 2x2x1 "
+                      "(an extra adaptive configuration)")
+  parser.add_argument("--plot", default=None,
+                      help="with --lengths longtail: a PNG of the speed-up per width")
   parser.add_argument("--train-steps", type=int, nargs=2, metavar=("TARGET", "DRAFT"),
                       default=(200, 150), help="SFT / distillation steps when the pair is "
                       "not cached (fewer: a device's time budget, or a CPU dry run)")
@@ -109,6 +120,10 @@ def main(argv=None) -> int:
   target, draft = spec_pair.load_or_train(size=args.size, target_steps=args.train_steps[0],
                                           draft_steps=args.train_steps[1])
   longtail = args.lengths == "longtail"
+  if longtail:
+    # Each configuration compiles a program per width: at the default 16 they would
+    # evict each other and recompile inside the timed runs.
+    set_program_cache_size(256)
   sampling = sj.SamplingParams(
       temperature=args.temperature,
       max_new_tokens=args.max_new_tokens if longtail else spec_pair.TASK.max_response_tokens,
@@ -124,6 +139,10 @@ def main(argv=None) -> int:
   if not args.no_adaptive:
     specs[f"adaptive_k<={max(args.ks)}"] = sj.SpecConfig(num_draft_tokens=max(args.ks),
                                                          adaptive=True)
+    if args.adaptive_trees:
+      trees = tuple(tuple(int(b) for b in tree.split("x")) for tree in args.adaptive_trees)
+      specs[f"adaptive_k<={max(args.ks)}+trees"] = sj.SpecConfig(
+          num_draft_tokens=max(args.ks), adaptive=True, adaptive_trees=trees)
 
   rows, breakdowns = [], []
   for batch in args.batches:
@@ -135,15 +154,19 @@ def main(argv=None) -> int:
       configs["plain+compaction"] = dict(engine=compacting)
     for drafter_name, drafter in drafters.items():
       for spec_name, spec in specs.items():
-        configs[f"{drafter_name}/{spec_name}"] = dict(drafter=drafter, spec=spec)
-        if longtail and not spec.adaptive:  # the adaptive engine does not compact
-          configs[f"{drafter_name}/{spec_name}+compaction"] = dict(drafter=drafter, spec=spec,
-                                                                   engine=compacting)
-        if spec.adaptive:
-          # One controller across the calls, as an RL run passes one to every step's
-          # rollouts: what it measured while warming up carries over.
-          configs[f"{drafter_name}/{spec_name}"]["controller"] = DraftLengthController(
-              k_max=spec.num_draft_tokens)
+        name = f"{drafter_name}/{spec_name}"
+        if not (longtail and spec.adaptive):
+          configs[name] = dict(drafter=drafter, spec=spec)
+        if longtail:
+          configs[f"{name}+compaction"] = dict(drafter=drafter, spec=spec, engine=compacting)
+        # One controller across the calls, as an RL run passes one to every step's
+        # rollouts: what it measured while warming up carries over. With compaction, it
+        # chooses per width.
+        if spec.adaptive and longtail:
+          configs[f"{name}+compaction"]["controller"] = ConcurrencyAwareController(
+              k_max=spec.num_draft_tokens, trees=spec.adaptive_trees)
+        elif spec.adaptive:
+          configs[name]["controller"] = DraftLengthController(k_max=spec.num_draft_tokens)
 
     def runner(kwargs):
       def run(sample):
@@ -177,10 +200,12 @@ def main(argv=None) -> int:
              **_request_spread(outs),
              "generated_tokens": [int(o.lengths.sum()) for o in outs]}
       if longtail:
-        row.update(_tail_stats(outs, rates[name], rates.get("plain+compaction")))
+        row.update(_tail_stats(outs, rates[name], rates.get("plain+compaction"),
+                               [out for _, out in timed["plain+compaction"]]))
       if "draft_length_schedule" in outs[0].stats:
         row["draft_length_rounds"] = _rounds_by_length(
             [entry for o in outs for entry in o.stats["draft_length_schedule"]])
+        row["draft_schedule_by_width"] = _schedule_by_width(outs)
       rows.append(row)
       print(row, file=sys.stderr)
     breakdowns.append(round_cost_breakdown(target, draft, batch, max(args.ks)))
@@ -189,6 +214,8 @@ def main(argv=None) -> int:
     # run within the process's memory maps (LLVM failed to allocate in one with
     # four drafters x six configurations x two batch sizes).
     jax.clear_caches()
+  if args.plot and longtail:
+    plot_speedup_by_width(rows, args.plot)
   violations = [r for r in rows if r["batch"] in (1, 8) and r["acceptance_length"] >= 2.5
                 and r["speedup_vs_plain"] < 1.0]
   config = target.config
@@ -217,9 +244,11 @@ def _request_spread(outs) -> dict:
           "batch_rounds_over_mean_request_rounds": round(float(np.mean(straggling)), 3)}
 
 
-def _tail_stats(outs, rates, compaction_rates) -> dict:
+def _tail_stats(outs, rates, compaction_rates, compaction_outs) -> dict:
   """A long-tailed row's response lengths, its speed over plain decoding with
-  compaction (same seeds), and, when it compacted, its rounds and seconds per width."""
+  compaction (same seeds), and, when it compacted, its rounds and seconds per width and
+  its speed-up over plain decoding with compaction at each width (seconds to get from
+  one width to the next, median over seeds)."""
   lengths = np.concatenate([o.lengths for o in outs])
   row = {"response_length_mean_over_max": round(float(lengths.mean() / lengths.max()), 3),
          "response_length_max": int(lengths.max()),
@@ -234,13 +263,57 @@ def _tail_stats(outs, rates, compaction_rates) -> dict:
     row["seconds_by_width"] = np.round(np.mean([w["seconds_by_width"] for w in widths],
                                                axis=0), 4).tolist()
     row["tail_time_share"] = round(float(np.mean([w["tail_time_share"] for w in widths])), 3)
+    base = np.asarray([o.stats["compaction"]["seconds_by_width"] for o in compaction_outs])
+    mine = np.asarray([w["seconds_by_width"] for w in widths])
+    # A width one of the two skipped (its sequences ended before it) has no ratio.
+    ratios = np.where((base > 0) & (mine > 0), base / np.where(mine > 0, mine, 1), np.nan)
+    row["speedup_by_width_vs_plain_compaction"] = [
+        None if np.all(np.isnan(column)) else round(float(np.nanmedian(column)), 3)
+        for column in ratios.T]
   return row
 
 
-def _rounds_by_length(schedule) -> dict[int, int]:
-  rounds: dict[int, int] = {}
-  for k, count in schedule:
-    rounds[k] = rounds.get(k, 0) + count
+def _schedule_by_width(outs) -> dict[int, dict[str, int]]:
+  """Rounds per width and chosen shape, summed over the timed rollouts."""
+  table: dict[int, dict[str, int]] = {}
+  for out in outs:
+    for width, row in out.stats["draft_schedule_by_width"].items():
+      for shape, rounds in row.items():
+        table.setdefault(width, {})
+        table[width][shape] = table[width].get(shape, 0) + rounds
+  return table
+
+
+def plot_speedup_by_width(rows: list[dict], path: str) -> None:
+  """Speed-up over plain decoding with compaction at each width, a panel per batch."""
+  plt = common.pyplot()
+  batches = sorted({r["batch"] for r in rows if "speedup_by_width_vs_plain_compaction" in r})
+  figure, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+  for axis, batch in zip(axes[0], batches):
+    for row in rows:
+      if row["batch"] != batch or "speedup_by_width_vs_plain_compaction" not in row:
+        continue
+      if row["config"] == "plain+compaction":
+        continue
+      widths = row["widths"]
+      speedups = [np.nan if x is None else x for x in row["speedup_by_width_vs_plain_compaction"]]
+      axis.plot(range(len(widths)), speedups, marker="o",
+                label=row["config"].replace("draft_model/", ""))
+      axis.set_xticks(range(len(widths)), [str(w) for w in widths])
+    axis.axhline(1.0, color="grey", lw=0.8)
+    axis.set_title(f"batch {batch}: speed-up per live width")
+    axis.set_xlabel("compiled width (live sequences), full batch to tail")
+    axis.set_ylabel("x plain decoding with compaction")
+    axis.legend(fontsize=7)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+
+
+def _rounds_by_length(schedule) -> dict[str, int]:
+  """Rounds per chosen shape (chain length, or a tree) over a schedule."""
+  rounds: dict[str, int] = {}
+  for shape, count in schedule:
+    rounds[shape_label(shape)] = rounds.get(shape_label(shape), 0) + count
   return dict(sorted(rounds.items()))
 
 
