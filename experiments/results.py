@@ -12,6 +12,7 @@ Studies (in order; later ones reuse what earlier ones trained and cached in arti
   train_drafter  MTP / EAGLE-3 trained offline; frozen vs online drafter over RL steps
   k_sweep        acceptance length and speedup vs k: n-gram, draft model, MTP, EAGLE-3
   bench_spec     speculative vs plain wall clock, draft model and n-gram, batch 1 / 8
+  bench_spec_longtail  long-tailed responses: slot compaction, per-width adaptive shapes
   sim_vs_measured  the simulator's cost model vs measured decode times (medium pair)
   bench_history  rollout-history drafting over RL epochs
   bench_rl       RL step time: sync vs async, with and without speculation
@@ -253,6 +254,17 @@ STUDIES: tuple[Study, ...] = (
           quick=lambda p: ["--batches", "2", "--ks", "1", "2", "--samples", "1", "--no-trees"],
           outputs=("bench_spec.json", "bench_spec.png"),
           collect=stdout_and_plot(plot_bench_spec)),
+    Study(name="bench_spec_longtail", script="bench_spec.py",
+          args=lambda p: ["--size", "medium", "--lengths", "longtail", "--batches", "8", "32",
+                          "--ks", "1", "3", "--samples", "3", "--no-trees", "--no-ngram",
+                          "--adaptive-trees", "2x2x1", "--adaptive-warmup", "8",
+                          "--max-new-tokens", "256",
+                          "--plot", str(p.out / "bench_spec_longtail.png")],
+          quick=lambda p: ["--lengths", "longtail", "--batches", "4", "--ks", "2",
+                           "--samples", "1", "--no-trees", "--no-ngram", "--adaptive-trees",
+                           "2x1", "--adaptive-warmup", "2", "--max-new-tokens", "32",
+                           "--plot", str(p.out / "bench_spec_longtail.png")],
+          outputs=("bench_spec_longtail.json", "bench_spec_longtail.png"), collect=stdout_json),
     Study(name="sim_vs_measured", script="sim_vs_measured.py",
           args=lambda p: ["--size", "medium", "--batches", "1", "2", "4", "8",
                           "--ks", "1", "2", "3", "4", "5", "--new-tokens", "32",
