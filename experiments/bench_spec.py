@@ -12,8 +12,9 @@ round is made of, timed on the same weights: one target forward over 1 and k + 1
 tokens per sequence (verification) and one drafter step.
 
 With ``--lengths longtail`` the prompts are additions whose operands have a
-heavy-tailed number of digits (``longtail_prompts``: most answers take ~20 tokens, the
-longest run past the target's training range to 100-256), and every configuration runs
+heavy-tailed number of digits (``longtail_prompts``, the longtail_arithmetic task's
+distribution: most answers take ~20 tokens, the longest run past the target's training
+range to 100-256), and every configuration runs
 with and without slot compaction (``EngineConfig(compaction=True)``): plain, plain with
 compaction, and each speculative configuration with compaction, the same seeds,
 interleaved; rows report the rounds and seconds per compiled width and the tail's share.
@@ -39,6 +40,8 @@ import spec_pair  # noqa: E402
 
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
+from specrl_jax.rl.tasks.arithmetic import random_operand  # noqa: E402
+from specrl_jax.rl.tasks.longtail import LongTailArithmetic  # noqa: E402
 from specrl_jax.speculative.adaptive import DraftLengthController  # noqa: E402
 
 TREES = ((2, 1, 1), (2, 2, 1), (3, 2, 1, 1))
@@ -50,26 +53,24 @@ def make_prompts(batch: int, seed: int) -> list[list[int]]:
           for _ in range(batch)]
 
 
-# Operand digit counts d of the long-tailed prompts, P(d) proportional to 1/d: the
-# task's own 2-4 digits and, in the tail, up to 16 (the worked sum then runs on for a
-# line per column, past anything the target was trained on).
-LONGTAIL_DIGITS = np.arange(1, 17)
+# The long-tailed prompts' task: operand digit counts d with P(d) ~ 1/d, the target's
+# own 2-4 digits and, in the tail, up to 16 (the worked sum then runs on for a line per
+# column, past anything the target was trained on).
+LONGTAIL = LongTailArithmetic(min_digits=1, max_digits=16, tail_exponent=1.0)
 
 
 def longtail_prompts(batch: int, seed: int) -> list[list[int]]:
-  """``batch`` addition prompts with operand lengths at the batch's quantiles of the
-  heavy-tailed digit distribution (so every batch of 8 or more has a long one), in a
-  seeded random order."""
-  weights = 1.0 / LONGTAIL_DIGITS
-  cumulative = np.cumsum(weights / weights.sum())
+  """``batch`` LONGTAIL prompts with operand lengths at the batch's quantiles of its
+  digit distribution (so every batch of 8 or more has a long one), in a seeded random
+  order."""
+  digits_D, probabilities_D = LONGTAIL.digit_distribution()
   quantiles = (np.arange(batch) + 0.5) / batch
-  digits = LONGTAIL_DIGITS[np.searchsorted(cumulative, quantiles)]
+  digits = digits_D[np.searchsorted(np.cumsum(probabilities_D), quantiles)]
   rng = np.random.default_rng(seed)
   rng.shuffle(digits)
   prompts = []
   for d in digits:
-    low = 10 ** (int(d) - 1) if d > 1 else 0
-    a, b = (int(rng.integers(low, 10 ** int(d))) for _ in range(2))
+    a, b = (random_operand(rng, int(d)) for _ in range(2))
     prompts.append(tokenizer.encode(f"{a}+{b}=", add_bos=True))
   return prompts
 
