@@ -215,7 +215,7 @@ def _pair_overrides(size: str, own_task: bool = True) -> list[str]:
   shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
            "head_dim")
   return ([f"--policy.{f}={getattr(target, f)}" for f in shape]
-          + [f"--drafter.{f}={getattr(draft, f)}" for f in shape]
+          + [f"--drafter.model.{f}={getattr(draft, f)}" for f in shape]
           + ([f"--task.min_digits={pair.TASK.min_digits}",
               f"--task.max_digits={pair.TASK.max_digits}"] if own_task else []))
 
