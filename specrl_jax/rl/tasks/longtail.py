@@ -11,6 +11,7 @@ workload that slot compaction and the per-width statistics are measured on.
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 from specrl_jax.config import check, is_finite_number, is_integer
