@@ -226,15 +226,20 @@ def _longtail_overrides(args) -> list[str]:
           f"--task.tail_exponent={args.tail_exponent}"]
 
 
-def _pair_warm_start(size: str, folder: str) -> None:
-  """Writes a spec_pair size's target and draft model where a Session loads its warm
-  start from (they were SFT'd / distilled on the same task)."""
+def _pair_warm_start(size: str, session: Session) -> None:
+  """Writes a spec_pair size's target and draft model where ``session`` loads its warm
+  start from (they were SFT'd / distilled on the pair's task), under the key of
+  ``session``'s configuration, so that it is used rather than rebuilt."""
   from specrl_jax import checkpoint
+  from specrl_jax.rl import run_directory
   target, draft = _spec_pair().load_or_train(size=size)
+  folder = os.path.join(session.config.output.directory, "warm_start")
   if os.path.exists(folder):
     shutil.rmtree(folder)
   checkpoint.save_model(os.path.join(folder, "policy"), target)
   checkpoint.save_model(os.path.join(folder, "draft"), draft)
+  run_directory.write_json(os.path.join(folder, run_directory.WARM_START_KEY),
+                           run_directory.warm_start_key(session.record))
 
 
 def main() -> int:
@@ -255,14 +260,14 @@ def main() -> int:
       + (_longtail_overrides(args) if longtail else [])
       + ([f"--rl.engine.num_slots={num_slots}"] if num_slots is not None else [])
       + args.set)
-  if pair:
-    _pair_warm_start(args.policy, os.path.join(args.out, "warm_start"))
-  elif not longtail:  # the demo's warm start is for its own task
+  if not pair and not longtail:  # the demo's warm start is for its own task
     warm = os.path.join(args.warm_from, "warm_start")
     if os.path.exists(warm) and not os.path.exists(os.path.join(args.out, "warm_start")):
       shutil.copytree(warm, os.path.join(args.out, "warm_start"))
   log = lambda message: print(message, file=sys.stderr, flush=True)
   session = Session(config, log=log)
+  if pair:
+    _pair_warm_start(args.policy, session)
   models = session.warm_start()
   report = {"policy": args.policy, "policy_params": models.policy.config.num_params(),
             "devices": devices, "samples_per_step": session.rollout_config.group_size
