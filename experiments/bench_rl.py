@@ -21,10 +21,19 @@ only the sync plain arm twice, with the pass and with the update's own forward g
 the log-probs (``skip_log_prob_pass``), and reports what skipping saves per step and
 the training-inference mismatch both measured.
 
+``--task=longtail`` runs on the longtail_arithmetic task (operand digit counts
+P(d) ~ d ** -tail_exponent on 1..16: long-tailed response lengths) with one engine slot
+per sample and slot compaction in both arms (``--no-compaction``, ``--num-slots`` to
+change), and reports the responses' mean and max length and the rollouts' rounds per
+compaction width and tail share. A tiny policy is warm-started on that task; a
+spec_pair policy keeps its own training (2-4 digits), so the tail runs past it.
+
 Medians over --steps timed steps after --warmup compiled ones. Prints one JSON object.
 
   python experiments/bench_rl.py [--devices=2] [--steps=6] [--warm-from=runs/demo]
       [--policy=tiny|medium|large] [--prompts-per-step=N] [--log-prob-pass-comparison]
+      [--task=arithmetic|longtail] [--tail-exponent=1.0] [--compaction|--no-compaction]
+      [--num-slots=N] [--sync-only] [--set=--SECTION.FIELD=VALUE ...]
 """
 
 from __future__ import annotations
@@ -40,12 +49,25 @@ def _parse():
   parser.add_argument("--steps", type=int, default=6)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--warm-from", default="runs/demo")
-  parser.add_argument("--out", default=None, help="default: runs/bench_rl[_POLICY]")
+  parser.add_argument("--out", default=None,
+                      help="default: runs/bench_rl[_POLICY][_longtail]")
   parser.add_argument("--policy", choices=("tiny", "medium", "large"), default="tiny")
   parser.add_argument("--prompts-per-step", type=int, default=None,
                       help="default: the demo's 16 (tiny), 4 (a spec_pair policy)")
   parser.add_argument("--log-prob-pass-comparison", action="store_true",
                       help="only sync plain, with and without the learner's log-prob pass")
+  parser.add_argument("--task", choices=("arithmetic", "longtail"), default="arithmetic",
+                      help="the policy's own arithmetic task, or longtail_arithmetic")
+  parser.add_argument("--tail-exponent", type=float, default=1.0,
+                      help="--task=longtail: P(d) ~ d ** -tail_exponent on 1..16 digits")
+  parser.add_argument("--compaction", action=argparse.BooleanOptionalAction, default=None,
+                      help="slot compaction in both arms (default: on with --task=longtail)")
+  parser.add_argument("--num-slots", type=int, default=None,
+                      help="engine slots per rollout shard (default: the experiment's; "
+                      "0, one per sample, with --task=longtail)")
+  parser.add_argument("--sync-only", action="store_true", help="skip the async arms")
+  parser.add_argument("--set", action="append", default=[], metavar="--SECTION.FIELD=VALUE",
+                      help="an experiment override, e.g. --set=--rl.group_size=4")
   return parser.parse_args()
 
 
@@ -68,6 +90,7 @@ from specrl_jax.rl.async_pipeline import AsyncPipeline  # noqa: E402
 from specrl_jax.rl.experiment import experiment_config  # noqa: E402
 from specrl_jax.rl.sync import build_program, prompts_on_mesh  # noqa: E402
 from specrl_jax.rl.train_command import Session  # noqa: E402
+from specrl_jax.sampling.compaction import stage_widths  # noqa: E402
 
 
 def _timed(function, *args):
@@ -96,6 +119,9 @@ def bench_sync(session: Session, models, kind: str, steps: int, warmup: int,
                           engine=session.engine)
   stages = {name: [] for name in ("generation", "log_prob", "train", "fused_step")}
   acceptance, tokens, mismatch_mean, mismatch_max = [], [], [], []
+  tail = {name: [] for name in ("response_length_mean", "response_length_max",
+                                "tail_round_share", "slot_utilization", "truncated_fraction")}
+  rounds_by_width, slots = [], 0
   for step in range(warmup + steps):
     prompts = prompts_on_mesh(session.step_prompts(step), mesh)
     rng = session.step_rng(step)
@@ -114,7 +140,22 @@ def bench_sync(session: Session, models, kind: str, steps: int, warmup: int,
       tokens.append(int(metrics["generated_tokens"]))
       mismatch_mean.append(float(metrics["logprob_mismatch_mean"]))
       mismatch_max.append(float(metrics["logprob_mismatch_max"]))
+      for name, values in tail.items():
+        values.append(float(metrics[name]))
+      rounds_by_width.append([int(n) for n in jax.device_get(metrics["rounds_by_width"])])
+      slots = int(metrics["rollout_slots"]) // (mesh.shape["data"] * mesh.shape["fsdp"])
   result = {name: _median(values) for name, values in stages.items()}
+  # The tail: each step's mean response against its longest, and the rollout rounds
+  # run at each compaction width (widest first; summed over the rollout shards), per
+  # timed step.
+  result.update({name: _median(values) for name, values in tail.items()})
+  result.update(response_length_max=max(tail["response_length_max"], default=float("nan")),
+                response_length_mean_over_max=_median(
+                    [m / x for m, x in zip(tail["response_length_mean"],
+                                           tail["response_length_max"])]),
+                rounds_by_width_per_step=rounds_by_width, slots_per_shard=slots,
+                compaction_widths=list(stage_widths(slots, session.engine.compaction_min_width
+                                                    if session.engine.compaction else 0)))
   result.update(acceptance_length=_median(acceptance), generated_tokens=_median(tokens),
                 logprob_mismatch_mean=_median(mismatch_mean),
                 logprob_mismatch_max=max(mismatch_max, default=float("nan")),
@@ -166,28 +207,39 @@ def _spec_pair():
   return spec_pair
 
 
-def _pair_overrides(size: str) -> list[str]:
-  """A spec_pair size's target and draft model shapes, and its task, as the
+def _pair_overrides(size: str, own_task: bool = True) -> list[str]:
+  """A spec_pair size's target and draft model shapes, and (own_task) its task, as the
   experiment's policy, drafter and task."""
   pair = _spec_pair()
   target, draft, _ = pair.SIZES[size]
   shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
            "head_dim")
   return ([f"--policy.{f}={getattr(target, f)}" for f in shape]
-          + [f"--drafter.{f}={getattr(draft, f)}" for f in shape]
-          + [f"--task.min_digits={pair.TASK.min_digits}",
-             f"--task.max_digits={pair.TASK.max_digits}"])
+          + [f"--drafter.model.{f}={getattr(draft, f)}" for f in shape]
+          + ([f"--task.min_digits={pair.TASK.min_digits}",
+              f"--task.max_digits={pair.TASK.max_digits}"] if own_task else []))
 
 
-def _pair_warm_start(size: str, folder: str) -> None:
-  """Writes a spec_pair size's target and draft model where a Session loads its warm
-  start from (they were SFT'd / distilled on the same task)."""
+def _longtail_overrides(args) -> list[str]:
+  """The longtail_arithmetic task on 1-16 digits as the experiment's task."""
+  return ["--task.name=longtail_arithmetic", "--task.min_digits=1", "--task.max_digits=16",
+          f"--task.tail_exponent={args.tail_exponent}"]
+
+
+def _pair_warm_start(size: str, session: Session) -> None:
+  """Writes a spec_pair size's target and draft model where ``session`` loads its warm
+  start from (they were SFT'd / distilled on the pair's task), under the key of
+  ``session``'s configuration, so that it is used rather than rebuilt."""
   from specrl_jax import checkpoint
+  from specrl_jax.rl import run_directory
   target, draft = _spec_pair().load_or_train(size=size)
+  folder = os.path.join(session.config.output.directory, "warm_start")
   if os.path.exists(folder):
     shutil.rmtree(folder)
   checkpoint.save_model(os.path.join(folder, "policy"), target)
   checkpoint.save_model(os.path.join(folder, "draft"), draft)
+  run_directory.write_json(os.path.join(folder, run_directory.WARM_START_KEY),
+                           run_directory.warm_start_key(session.record))
 
 
 def main() -> int:
@@ -195,24 +247,34 @@ def main() -> int:
   devices = len(jax.devices())
   pair = args.policy != "tiny"
   prompts = args.prompts_per_step or (4 if pair else 16)
-  args.out = args.out or ("runs/bench_rl" + (f"_{args.policy}" if pair else ""))
+  longtail = args.task == "longtail"
+  args.out = args.out or ("runs/bench_rl" + (f"_{args.policy}" if pair else "")
+                          + ("_longtail" if longtail else ""))
+  compaction = longtail if args.compaction is None else args.compaction
+  num_slots = 0 if args.num_slots is None and longtail else args.num_slots
   config = experiment_config("demo", [
       f"--rl.mesh={devices},1,1", "--output.progress=false", "--output.plots=false",
-      f"--output.directory={args.out}", f"--rl.prompts_per_step={prompts}"]
-      + (_pair_overrides(args.policy) if pair else []))
-  if pair:
-    _pair_warm_start(args.policy, os.path.join(args.out, "warm_start"))
-  else:
+      f"--output.directory={args.out}", f"--rl.prompts_per_step={prompts}",
+      f"--rl.engine.compaction={str(compaction).lower()}"]
+      + (_pair_overrides(args.policy, own_task=not longtail) if pair else [])
+      + (_longtail_overrides(args) if longtail else [])
+      + ([f"--rl.engine.num_slots={num_slots}"] if num_slots is not None else [])
+      + args.set)
+  if not pair and not longtail:  # the demo's warm start is for its own task
     warm = os.path.join(args.warm_from, "warm_start")
     if os.path.exists(warm) and not os.path.exists(os.path.join(args.out, "warm_start")):
       shutil.copytree(warm, os.path.join(args.out, "warm_start"))
   log = lambda message: print(message, file=sys.stderr, flush=True)
   session = Session(config, log=log)
+  if pair:
+    _pair_warm_start(args.policy, session)
   models = session.warm_start()
   report = {"policy": args.policy, "policy_params": models.policy.config.num_params(),
             "devices": devices, "samples_per_step": session.rollout_config.group_size
             * session.rollout_config.prompts_per_step,
             "engine_slots_per_rollout_shard": config.rl.engine.num_slots,
+            "compaction": config.rl.engine.compaction,
+            "task": dataclasses.asdict(session.task), "overrides": args.set,
             "num_draft_tokens": config.drafter.num_draft_tokens, "timed_steps": args.steps}
   if args.log_prob_pass_comparison:
     for skip, arm in ((False, "sync_plain"), (True, "sync_plain_skip_log_prob_pass")):
@@ -239,7 +301,7 @@ def main() -> int:
   report["sync_step_speedup"] = plain["fused_step"] / spec["fused_step"]
   report["sync_generation_share_plain"] = plain["generation"] / (
       plain["generation"] + plain["log_prob"] + plain["train"])
-  if devices >= 2:
+  if devices >= 2 and not args.sync_only:
     for kind, arm in (("none", "plain"), ("draft_model", "speculative")):
       for lag in (1, 2):
         log(f"async {arm} lag {lag} ...")

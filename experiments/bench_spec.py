@@ -12,8 +12,9 @@ round is made of, timed on the same weights: one target forward over 1 and k + 1
 tokens per sequence (verification) and one drafter step.
 
 With ``--lengths longtail`` the prompts are additions whose operands have a
-heavy-tailed number of digits (``longtail_prompts``: most answers take ~20 tokens, the
-longest run past the target's training range to 100-256), and every configuration runs
+heavy-tailed number of digits (``longtail_prompts``, the longtail_arithmetic task's
+distribution: most answers take ~20 tokens, the longest run past the target's training
+range to 100-256), and every configuration runs
 with and without slot compaction (``EngineConfig(compaction=True)``): plain, plain with
 compaction, and each speculative configuration with compaction, the same seeds,
 interleaved; rows report the rounds and seconds per compiled width, the tail's share and
@@ -25,6 +26,7 @@ Adaptive configurations then run with compaction and a ``ConcurrencyAwareControl
       [--ks 1 2 3 4 5 6 7] [--samples 7] [--no-trees] [--no-ngram] [--no-adaptive]
       [--learned] [--adaptive-warmup 6] [--train-steps 200 150]
       [--lengths task|longtail] [--max-new-tokens 256] [--adaptive-trees 2x2x1 ...]
+      [--longtail-digits 16] [--longtail-exponent 1.0] [--longtail-straggler]
       [--plot results/cpu/bench_spec_longtail.png]
 """
 
@@ -43,6 +45,8 @@ import spec_pair  # noqa: E402
 
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
+from specrl_jax.rl.tasks.arithmetic import random_operand  # noqa: E402
+from specrl_jax.rl.tasks.longtail import LongTailArithmetic, digit_distribution  # noqa: E402
 from specrl_jax.sampling.programs import set_program_cache_size  # noqa: E402
 from specrl_jax.speculative.adaptive import DraftLengthController  # noqa: E402
 from specrl_jax.speculative.concurrency import ConcurrencyAwareController, shape_label  # noqa: E402
@@ -56,26 +60,32 @@ def make_prompts(batch: int, seed: int) -> list[list[int]]:
           for _ in range(batch)]
 
 
-# Operand digit counts d of the long-tailed prompts, P(d) proportional to 1/d: the
-# task's own 2-4 digits and, in the tail, up to 16 (the worked sum then runs on for a
-# line per column, past anything the target was trained on).
-LONGTAIL_DIGITS = np.arange(1, 17)
+# The long-tailed prompts' task: operand digit counts d with P(d) ~ 1/d, the target's
+# own 2-4 digits and, in the tail, up to 16 (the worked sum then runs on for a line per
+# column, past anything the target was trained on). --longtail-digits and
+# --longtail-exponent change the range and the tail (digit_distribution), beyond the
+# task's int64 operands if need be.
+LONGTAIL = LongTailArithmetic(min_digits=1, max_digits=16, tail_exponent=1.0)
 
 
-def longtail_prompts(batch: int, seed: int) -> list[list[int]]:
+def longtail_prompts(batch: int, seed: int, *, max_digits: int = LONGTAIL.max_digits,
+                     tail_exponent: float = LONGTAIL.tail_exponent,
+                     straggler: bool = False) -> list[list[int]]:
   """``batch`` addition prompts with operand lengths at the batch's quantiles of the
-  heavy-tailed digit distribution (so every batch of 8 or more has a long one), in a
-  seeded random order."""
-  weights = 1.0 / LONGTAIL_DIGITS
-  cumulative = np.cumsum(weights / weights.sum())
+  long-tailed digit distribution (so every batch of 8 or more has a long one), in a
+  seeded random order. straggler: the longest prompt takes ``max_digits`` (every batch
+  then has one response that runs to the length limit, as RL batches do)."""
+  digits_D, probabilities_D = digit_distribution(LONGTAIL.min_digits, max_digits,
+                                                 tail_exponent)
   quantiles = (np.arange(batch) + 0.5) / batch
-  digits = LONGTAIL_DIGITS[np.searchsorted(cumulative, quantiles)]
+  digits = digits_D[np.searchsorted(np.cumsum(probabilities_D), quantiles)]
+  if straggler:
+    digits[-1] = max_digits
   rng = np.random.default_rng(seed)
   rng.shuffle(digits)
   prompts = []
   for d in digits:
-    low = 10 ** (int(d) - 1) if d > 1 else 0
-    a, b = (int(rng.integers(low, 10 ** int(d))) for _ in range(2))
+    a, b = (random_operand(rng, int(d)) for _ in range(2))
     prompts.append(tokenizer.encode(f"{a}+{b}=", add_bos=True))
   return prompts
 
@@ -107,6 +117,12 @@ def main(argv=None) -> int:
                       "(longtail_prompts), each configuration also with slot compaction")
   parser.add_argument("--max-new-tokens", type=int, default=256,
                       help="the response budget with --lengths longtail")
+  parser.add_argument("--longtail-digits", type=int, default=LONGTAIL.max_digits,
+                      help="the most operand digits of the long-tailed prompts")
+  parser.add_argument("--longtail-exponent", type=float, default=LONGTAIL.tail_exponent,
+                      help="P(digits) ~ digits ** -exponent")
+  parser.add_argument("--longtail-straggler", action="store_true",
+                      help="each batch's longest prompt takes --longtail-digits")
   parser.add_argument("--adaptive-trees", nargs="*", default=[],
                       help="trees the adaptive controller may also choose, e.g. 2x2x1 "
                       "(an extra adaptive configuration)")
@@ -146,7 +162,12 @@ def main(argv=None) -> int:
 
   rows, breakdowns = [], []
   for batch in args.batches:
-    prompts = (longtail_prompts if longtail else make_prompts)(batch, seed=batch)
+    if longtail:
+      prompts = longtail_prompts(batch, seed=batch, max_digits=args.longtail_digits,
+                                 tail_exponent=args.longtail_exponent,
+                                 straggler=args.longtail_straggler)
+    else:
+      prompts = make_prompts(batch, seed=batch)
     engine = sj.EngineConfig(num_slots=batch)
     compacting = sj.EngineConfig(num_slots=batch, compaction=True)
     configs = {"plain": {}}

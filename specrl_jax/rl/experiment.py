@@ -83,10 +83,13 @@ class DrafterSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TaskSection:
   """The task (by registry name) and its prompt set: ``num_prompts`` problems drawn
-  with ``seed``. Options not used by the chosen task are ignored."""
+  with ``seed``. Options not used by the chosen task are ignored. longtail_arithmetic
+  reads min_digits, max_digits and tail_exponent (its long tail needs a wide range:
+  ``--task.min_digits=1 --task.max_digits=16``)."""
   name: str = "arithmetic"
   min_digits: int = 2
   max_digits: int = 3
+  tail_exponent: float = 1.0
   num_numbers: int = 3
   max_number: int = 9
   num_prompts: int = 512
@@ -100,7 +103,10 @@ class TaskSection:
 
   def make(self) -> Task:
     options = {"arithmetic": dict(min_digits=self.min_digits, max_digits=self.max_digits),
-               "countdown": dict(num_numbers=self.num_numbers, max_number=self.max_number)}
+               "countdown": dict(num_numbers=self.num_numbers, max_number=self.max_number),
+               "longtail_arithmetic": dict(min_digits=self.min_digits,
+                                           max_digits=self.max_digits,
+                                           tail_exponent=self.tail_exponent)}
     return make_task(self.name, **options.get(self.name, {}))
 
 

@@ -1,4 +1,5 @@
-"""Tasks with verifiable rewards, by name: ``make_task("arithmetic", max_digits=3)``."""
+"""Tasks with verifiable rewards, by name: ``make_task("arithmetic", max_digits=3)``;
+``longtail_arithmetic`` is addition with long-tailed response lengths."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from specrl_jax.rl.tasks.base import (
 from specrl_jax.rl.tasks.countdown import Countdown, parse_lines
 from specrl_jax.rl.tasks.dataset import DatasetError, read_records, split_records
 from specrl_jax.rl.tasks.dataset_task import DatasetTask
+from specrl_jax.rl.tasks.longtail import LongTailArithmetic, digit_distribution
 from specrl_jax.rl.tasks.python_reward import (
     PythonRewardTask, RewardFunctionError, arithmetic_answer_checker, decode_answer,
     python_reward, raise_pending_errors,
@@ -22,6 +24,7 @@ from specrl_jax.rl.tasks.rewards import BUILTIN as BUILTIN_REWARDS, resolve_rewa
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": Arithmetic,
     "countdown": Countdown,
+    "longtail_arithmetic": LongTailArithmetic,
 }
 
 
@@ -39,10 +42,10 @@ def make_task(name: str, **options) -> Task:
 
 __all__ = [
     "Arithmetic", "BUILTIN_REWARDS", "Countdown", "DatasetError", "DatasetTask",
-    "NoValidPromptsError", "Problem", "PromptBatch", "PromptSet",
+    "LongTailArithmetic", "NoValidPromptsError", "Problem", "PromptBatch", "PromptSet",
     "PythonRewardTask", "RewardFn", "RewardFunctionError", "TASKS", "Task",
-    "arithmetic_answer_checker", "decode_answer", "encode_problems", "make_prompt_set",
-    "make_task", "matches_after_marker", "parse_lines", "python_reward",
+    "arithmetic_answer_checker", "decode_answer", "digit_distribution", "encode_problems",
+    "make_prompt_set", "make_task", "matches_after_marker", "parse_lines", "python_reward",
     "raise_pending_errors", "read_records", "register_task", "resolve_reward",
     "split_records", "step_indices", "worked_sum",
 ]

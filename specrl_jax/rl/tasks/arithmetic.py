@@ -48,8 +48,7 @@ class Arithmetic(Task):
     return 2 * self.max_digits + 3  # BOS, "+", "="
 
   def _operand(self, rng: np.random.Generator) -> int:
-    digits = int(rng.integers(self.min_digits, self.max_digits + 1))
-    return int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
+    return random_operand(rng, int(rng.integers(self.min_digits, self.max_digits + 1)))
 
   def sample(self, rng: np.random.Generator) -> Problem:
     a, b = self._operand(rng), self._operand(rng)
@@ -59,6 +58,14 @@ class Arithmetic(Task):
   def reward(self, targets, tokens_RxL, lengths_R):
     correct_R = matches_after_marker(tokens_RxL, lengths_R, token_of("#"), targets["answer"])
     return correct_R.astype(np.float32)
+
+
+def random_operand(rng: np.random.Generator, digits: int) -> int:
+  """A uniform integer of exactly ``digits`` digits (0-9 for one digit)."""
+  if digits <= 18:  # what one int64 draw holds
+    return int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
+  tail = "".join(str(d) for d in rng.integers(0, 10, digits - 1))
+  return int(str(rng.integers(1, 10)) + tail)
 
 
 def worked_sum(a: int, b: int) -> str:
