@@ -160,6 +160,7 @@ def main(argv=None) -> int:
       specs[f"adaptive_k<={max(args.ks)}+trees"] = sj.SpecConfig(
           num_draft_tokens=max(args.ks), adaptive=True, adaptive_trees=trees)
 
+  compiles = common.CompileCounter()
   rows, breakdowns = [], []
   for batch in args.batches:
     if longtail:
@@ -189,20 +190,31 @@ def main(argv=None) -> int:
         elif spec.adaptive:
           configs[name]["controller"] = DraftLengthController(k_max=spec.num_draft_tokens)
 
-    def runner(kwargs):
+    compiled_while_timed: dict[str, int] = {name: 0 for name in configs}
+
+    def runner(name, kwargs):
       def run(sample):
-        return sj.generate(target, prompts, sampling=sampling,
-                           rng=jax.random.key(1000 + sample), **dict(dict(engine=engine),
-                                                                     **kwargs))
+        compiled_before = compiles.count
+        out = sj.generate(target, prompts, sampling=sampling,
+                          rng=jax.random.key(1000 + sample), **dict(dict(engine=engine),
+                                                                    **kwargs))
+        if sample >= 0:
+          compiled_while_timed[name] += compiles.count - compiled_before
+        return out
       return run
 
-    runs = {name: runner(kwargs) for name, kwargs in configs.items()}
+    runs = {name: runner(name, kwargs) for name, kwargs in configs.items()}
     for name, run in runs.items():
-      # Compile (the adaptive engine compiles the lengths it picks). An adaptive
-      # controller also gets the rollouts an RL run's first steps would give it to
-      # explore, so that what is timed is its steady state.
-      for warmup in range(args.adaptive_warmup if "controller" in configs[name] else 2):
+      # Compile (the adaptive engine compiles the shapes it picks, per width). An
+      # adaptive controller also gets the rollouts an RL run's first steps would give it
+      # to explore, and more until one compiles nothing new, so that what is timed is
+      # its steady state.
+      warmups = args.adaptive_warmup if "controller" in configs[name] else 2
+      for warmup in range(2 * warmups):
+        compiled_before = compiles.count
         run(-1 - warmup)
+        if warmup + 1 >= warmups and compiles.count == compiled_before:
+          break
     timed = common.paired_samples(runs, args.samples)
     rates = {name: [int(out.lengths.sum()) / seconds for seconds, out in results]
              for name, results in timed.items()}
@@ -219,7 +231,8 @@ def main(argv=None) -> int:
                  [o.stats["per_position_acceptance"] for o in outs]),
              "target_calls": [o.stats["target_calls"] for o in outs],
              **_request_spread(outs),
-             "generated_tokens": [int(o.lengths.sum()) for o in outs]}
+             "generated_tokens": [int(o.lengths.sum()) for o in outs],
+             "programs_compiled_while_timed": compiled_while_timed[name]}
       if longtail:
         row.update(_tail_stats(outs, rates[name], rates.get("plain+compaction"),
                                [out for _, out in timed["plain+compaction"]]))
@@ -267,9 +280,9 @@ def _request_spread(outs) -> dict:
 
 def _tail_stats(outs, rates, compaction_rates, compaction_outs) -> dict:
   """A long-tailed row's response lengths, its speed over plain decoding with
-  compaction (same seeds), and, when it compacted, its rounds and seconds per width and
-  its speed-up over plain decoding with compaction at each width (seconds to get from
-  one width to the next, median over seeds)."""
+  compaction (same seeds), and, when it compacted, its rounds, tokens and seconds per
+  width and its speed-up over plain decoding with compaction at each width (tokens per
+  second at that width, median over seeds)."""
   lengths = np.concatenate([o.lengths for o in outs])
   row = {"response_length_mean_over_max": round(float(lengths.mean() / lengths.max()), 3),
          "response_length_max": int(lengths.max()),
@@ -284,14 +297,24 @@ def _tail_stats(outs, rates, compaction_rates, compaction_outs) -> dict:
     row["seconds_by_width"] = np.round(np.mean([w["seconds_by_width"] for w in widths],
                                                axis=0), 4).tolist()
     row["tail_time_share"] = round(float(np.mean([w["tail_time_share"] for w in widths])), 3)
-    base = np.asarray([o.stats["compaction"]["seconds_by_width"] for o in compaction_outs])
-    mine = np.asarray([w["seconds_by_width"] for w in widths])
+    row["tokens_by_width"] = np.mean([w["tokens_by_width"] for w in widths], axis=0).tolist()
+    # Tokens per second at each width: the two decoders draw different samples, so the
+    # time either spends at a width (how long its longest sequences run) is no measure.
+    base, mine = (_tokens_per_second_by_width([o.stats["compaction"] for o in runs])
+                  for runs in (compaction_outs, outs))
     # A width one of the two skipped (its sequences ended before it) has no ratio.
-    ratios = np.where((base > 0) & (mine > 0), base / np.where(mine > 0, mine, 1), np.nan)
+    ratios = np.where((base > 0) & (mine > 0), mine / np.where(base > 0, base, 1), np.nan)
     row["speedup_by_width_vs_plain_compaction"] = [
         None if np.all(np.isnan(column)) else round(float(np.nanmedian(column)), 3)
         for column in ratios.T]
   return row
+
+
+def _tokens_per_second_by_width(compactions: list[dict]) -> np.ndarray:
+  """[samples, widths] tokens emitted per second at each width (0 where none ran)."""
+  tokens = np.asarray([c["tokens_by_width"] for c in compactions], float)
+  seconds = np.asarray([c["seconds_by_width"] for c in compactions], float)
+  return np.where(seconds > 0, tokens / np.where(seconds > 0, seconds, 1), 0.0)
 
 
 def _schedule_by_width(outs) -> dict[int, dict[str, int]]:
@@ -324,7 +347,7 @@ def plot_speedup_by_width(rows: list[dict], path: str) -> None:
     axis.axhline(1.0, color="grey", lw=0.8)
     axis.set_title(f"batch {batch}: speed-up per live width")
     axis.set_xlabel("compiled width (live sequences), full batch to tail")
-    axis.set_ylabel("x plain decoding with compaction")
+    axis.set_ylabel("tokens/s at the width, x plain with compaction")
     axis.legend(fontsize=7)
   figure.tight_layout()
   figure.savefig(path, dpi=120)

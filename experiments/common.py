@@ -47,6 +47,21 @@ def paired_samples(runs: dict[str, Callable[[int], object]], samples: int
   return results
 
 
+class CompileCounter:
+  """Counts the programs XLA compiles in this process (JAX's compile events), so that a
+  benchmark can warm up until nothing new compiles and report what still did while
+  timed."""
+
+  def __init__(self):
+    import jax
+    self.count = 0
+
+    def on_duration(name, seconds, **kwargs):
+      self.count += name == "/jax/core/compile/backend_compile_duration"
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+
 def median(values):
   return statistics.median(values)
 

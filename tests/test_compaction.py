@@ -79,8 +79,9 @@ def test_widths_are_the_slot_count_then_powers_of_two_down_to_the_minimum():
   assert stage_widths(8, 0) == (8,)  # compaction off
 
 
-def assert_compacted(stats, num_slots):
+def assert_compacted(out, num_slots):
   """Rounds ran at the full width and at narrower ones, and the counts add up."""
+  stats = out.stats
   compaction = stats["compaction"]
   assert compaction["widths"][0] == num_slots
   rounds = compaction["rounds_by_width"]
@@ -88,6 +89,9 @@ def assert_compacted(stats, num_slots):
   assert sum(r > 0 for r in rounds[1:]) >= 1, compaction
   assert 0 < compaction["tail_round_share"] < 1
   assert len(compaction["seconds_by_width"]) == len(rounds)
+  # Every token was emitted at some width; the narrower ones emitted the tail's.
+  assert sum(compaction["tokens_by_width"]) == int(out.lengths.sum())
+  assert all(t > 0 for t, r in zip(compaction["tokens_by_width"], rounds) if r)
   assert 0 <= compaction["tail_time_share"] <= 1
   # Up to every slot live, but never more slots than requests (padding is never live).
   assert len(stats["rounds_by_live"]) == min(num_slots, len(stats["request_rounds"])) + 1
@@ -102,7 +106,7 @@ def test_greedy_plain_decoding_with_compaction_is_token_identical(target, stop_t
   np.testing.assert_array_equal(out.tokens, greedy_plain.tokens)
   np.testing.assert_array_equal(out.lengths, greedy_plain.lengths)
   np.testing.assert_array_equal(out.stats["request_rounds"], out.lengths - 1)
-  assert_compacted(out.stats, engine.num_slots or 8)  # 7 requests: 8 slots once bucketed
+  assert_compacted(out, engine.num_slots or 8)  # 7 requests: 8 slots once bucketed
 
 
 @pytest.mark.parametrize("drafter,spec", [
@@ -120,7 +124,7 @@ def test_greedy_speculation_with_compaction_is_token_identical(target, noisy_dra
   out = generate(target, PROMPTS, sampling=sampling, drafter=chosen, spec=spec, engine=engine)
   np.testing.assert_array_equal(out.tokens, greedy_plain.tokens)
   np.testing.assert_array_equal(out.logprobs, greedy_plain.logprobs)
-  assert_compacted(out.stats, 3)
+  assert_compacted(out, 3)
   assert out.stats["acceptance_length"] > 1
 
 
@@ -149,7 +153,7 @@ def test_sampled_log_probs_with_compaction_are_the_full_forward_ones(target, noi
   kwargs = dict(drafter=noisy_drafter, spec=SpecConfig(num_draft_tokens=2)) if speculative else {}
   out = generate(target, prompts, sampling=sampling, rng=jax.random.key(4), engine=engine,
                  **kwargs)
-  assert_compacted(out.stats, 4)
+  assert_compacted(out, 4)
   np.testing.assert_allclose(
       out.logprobs, testing.response_log_probs(target, prompts, out.tokens, out.lengths,
                                                sampling), atol=1e-4)

@@ -203,6 +203,7 @@ def test_a_compacting_rollout_counts_its_rounds_per_width_and_its_tail():
   by_width = metrics["rounds_by_width"]
   assert len(by_width) == 5 and sum(by_width) == metrics["target_calls"]  # 16, 8, 4, 2, 1
   assert sum(by_width[1:]) > 0, by_width  # responses ended at different rounds
+  assert sum(metrics["tokens_by_width"]) == metrics["generated_tokens"]
   assert metrics["slot_utilization"] > (
       metrics["generated_tokens"] - slots) / (metrics["target_calls"] * slots)
   assert 0 < metrics["tail_round_share"] <= 1

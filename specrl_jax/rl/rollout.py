@@ -50,6 +50,7 @@ class Trajectories:
   counters: target_calls, slots (decode slots), slot_rounds (rounds x their widths),
     request_rounds (rounds the samples decoded in), draft_rounds, accepted_per_position [depth],
     rounds_by_width [stages] (rounds at each width of slot compaction; one entry without),
+    tokens_by_width [stages] (tokens generated at each width),
     tail_rounds (rounds with at most half the slots live) (all summed over rollout
     shards); exhausted: any shard's KV page pool ran out;
   policy_version: the number of updates of the weights that generated it.
@@ -150,6 +151,7 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                 # What the rounds cost in slots: with compaction, narrower ones cost less.
                 "slot_rounds": jnp.sum(rounds_by_width * widths_W),
                 "rounds_by_width": rounds_by_width,
+                "tokens_by_width": final.counters["tokens_by_width"],
                 "tail_rounds": jnp.sum(
                     final.counters["rounds_by_live"][:layout.num_slots // 2 + 1]),
                 "request_rounds": jnp.sum(final.counters["request_rounds_R"]),
@@ -217,6 +219,7 @@ def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str
       # run in narrower programs, counted per width).
       "tail_round_share": counters["tail_rounds"] / jnp.maximum(counters["target_calls"], 1),
       "rounds_by_width": counters["rounds_by_width"],
+      "tokens_by_width": counters["tokens_by_width"],
       "acceptance_length": acceptance_length(accepted, counters["draft_rounds"]),
       "per_position_acceptance": accepted / rounds,
       "pool_exhausted": trajectories.exhausted,

@@ -69,12 +69,13 @@ def gather_slots(tree: Any, slots_W: Array) -> Any:
 
 def compaction_stats(counters: dict, widths: tuple[int, ...],
                      seconds_by_width: list[float] | None = None) -> dict[str, Any]:
-  """What a rollout reports of its widths: rounds (target forwards) per compiled width,
-  rounds per number of live slots, and, when stages were timed, seconds per width and
+  """What a rollout reports of its widths: rounds (target forwards) and tokens emitted
+  per compiled width, and, when stages were timed, seconds per width and
   the share of decode time spent below the full width (the tail's share)."""
   rounds = [int(r) for r in counters["rounds_by_width"]]
   stats: dict[str, Any] = {
       "widths": list(widths), "rounds_by_width": rounds,
+      "tokens_by_width": [int(t) for t in counters["tokens_by_width"]],
       "tail_round_share": sum(rounds[1:]) / sum(rounds) if sum(rounds) else 0.0}
   if seconds_by_width is not None:
     total = sum(seconds_by_width)

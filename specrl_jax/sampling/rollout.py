@@ -71,7 +71,8 @@ def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds
   counters = {"target_calls": jnp.int32(0),
               "request_rounds_R": jnp.zeros((num_requests,), jnp.int32),
               "rounds_by_live": jnp.zeros((layout.num_slots + 1,), jnp.int32),
-              "rounds_by_width": jnp.zeros((len(widths_of(layout)),), jnp.int32)}
+              "rounds_by_width": jnp.zeros((len(widths_of(layout)),), jnp.int32),
+              "tokens_by_width": jnp.zeros((len(widths_of(layout)),), jnp.int32)}
   hook_state = ()
   if rounds is not None:
     layer_shapes += rounds.kv_layers()
@@ -149,13 +150,23 @@ def run_stage(graphdef, params, hook_params, state: DecodeState, prompts: Prompt
   stage decodes to the end). Counts its rounds in ``rounds_by_width``."""
   widths = widths_of(layout)
   narrower = widths[stage + 1] if stage + 1 < len(widths) else None
-  calls_before = state.counters["target_calls"]
+  before = state
   state = continue_rollout(graphdef, params, hook_params, state, prompts, sampling=sampling,
                            layout=layout, rounds=rounds, until_live=narrower)
-  by_width = state.counters["rounds_by_width"]
-  state = state.replace(counters=dict(state.counters, rounds_by_width=by_width.at[stage].add(
-      state.counters["target_calls"] - calls_before)))
+  state = _count_stage(before, state, stage)
   return state if narrower is None else compact(state, narrower, rounds)
+
+
+def _count_stage(before: DecodeState, after: DecodeState, stage: int) -> DecodeState:
+  """Adds the rounds (target calls) and the tokens emitted between ``before`` and
+  ``after`` to stage ``stage``'s counters: tokens per second at each width compares
+  decoders whose samples (and so whose widths' durations) differ."""
+  counters = after.counters
+  rounds = counters["target_calls"] - before.counters["target_calls"]
+  tokens = jnp.sum(after.out_lengths_R) - jnp.sum(before.out_lengths_R)
+  return after.replace(counters=dict(
+      counters, rounds_by_width=counters["rounds_by_width"].at[stage].add(rounds),
+      tokens_by_width=counters["tokens_by_width"].at[stage].add(tokens)))
 
 
 def rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_of_request_R,
@@ -225,12 +236,10 @@ def _continue_reporting(graphdef, params, hook_params, state, prompts, max_round
   ``max_rounds`` is traced, so batches of any size share one program."""
   widths = widths_of(static["layout"])
   narrower = widths[stage + 1] if stage + 1 < len(widths) else None
-  calls_before = state.counters["target_calls"]
+  before = state
   state = continue_rollout(graphdef, params, hook_params, state, prompts,
                            max_rounds=max_rounds, until_live=narrower, **static)
-  by_width = state.counters["rounds_by_width"]
-  state = state.replace(counters=dict(state.counters, rounds_by_width=by_width.at[stage].add(
-      state.counters["target_calls"] - calls_before)))
+  state = _count_stage(before, state, stage)
   num_requests = prompts.prompt_of_request_R.shape[0]
   return state, (state.counters, is_done(state, num_requests), _tail(state, num_requests),
                  live_sequences(state, num_requests))
