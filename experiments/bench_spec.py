@@ -190,16 +190,18 @@ def main(argv=None) -> int:
         elif spec.adaptive:
           configs[name]["controller"] = DraftLengthController(k_max=spec.num_draft_tokens)
 
-    compiled_while_timed: dict[str, int] = {name: 0 for name in configs}
+    # Per timed sample: (programs compiled, seconds compiling) during the call.
+    compiled_while_timed: dict[str, list[tuple[int, float]]] = {name: [] for name in configs}
 
     def runner(name, kwargs):
       def run(sample):
-        compiled_before = compiles.count
+        before = compiles.count, compiles.seconds
         out = sj.generate(target, prompts, sampling=sampling,
                           rng=jax.random.key(1000 + sample), **dict(dict(engine=engine),
                                                                     **kwargs))
         if sample >= 0:
-          compiled_while_timed[name] += compiles.count - compiled_before
+          compiled_while_timed[name].append((compiles.count - before[0],
+                                             compiles.seconds - before[1]))
         return out
       return run
 
@@ -216,8 +218,12 @@ def main(argv=None) -> int:
         if warmup + 1 >= warmups and compiles.count == compiled_before:
           break
     timed = common.paired_samples(runs, args.samples)
-    rates = {name: [int(out.lengths.sum()) / seconds for seconds, out in results]
+    # A shape an adaptive controller first picks at a width in a timed call compiles
+    # there: its compile time is taken out (a long run compiles each program once).
+    rates = {name: [int(out.lengths.sum()) / (seconds - compiled[1])
+                    for (seconds, out), compiled in zip(results, compiled_while_timed[name])]
              for name, results in timed.items()}
+    clean = {name: [count == 0 for count, _ in log] for name, log in compiled_while_timed.items()}
     for name in configs:
       outs = [out for _, out in timed[name]]
       # Each sample's speed is divided by plain decoding's on the same seed, timed next
@@ -232,10 +238,12 @@ def main(argv=None) -> int:
              "target_calls": [o.stats["target_calls"] for o in outs],
              **_request_spread(outs),
              "generated_tokens": [int(o.lengths.sum()) for o in outs],
-             "programs_compiled_while_timed": compiled_while_timed[name]}
+             "programs_compiled_while_timed": sum(c for c, _ in compiled_while_timed[name]),
+             "compile_seconds_excluded": round(sum(t for _, t in compiled_while_timed[name]), 2)}
       if longtail:
         row.update(_tail_stats(outs, rates[name], rates.get("plain+compaction"),
-                               [out for _, out in timed["plain+compaction"]]))
+                               [out for _, out in timed["plain+compaction"]],
+                               [a and b for a, b in zip(clean[name], clean["plain+compaction"])]))
       if "draft_length_schedule" in outs[0].stats:
         row["draft_length_rounds"] = _rounds_by_length(
             [entry for o in outs for entry in o.stats["draft_length_schedule"]])
@@ -278,11 +286,12 @@ def _request_spread(outs) -> dict:
           "batch_rounds_over_mean_request_rounds": round(float(np.mean(straggling)), 3)}
 
 
-def _tail_stats(outs, rates, compaction_rates, compaction_outs) -> dict:
+def _tail_stats(outs, rates, compaction_rates, compaction_outs, clean) -> dict:
   """A long-tailed row's response lengths, its speed over plain decoding with
   compaction (same seeds), and, when it compacted, its rounds, tokens and seconds per
   width and its speed-up over plain decoding with compaction at each width (tokens per
-  second at that width, median over seeds)."""
+  second at that width, median over the seeds where neither compiled: a width's seconds
+  would include compiling)."""
   lengths = np.concatenate([o.lengths for o in outs])
   row = {"response_length_mean_over_max": round(float(lengths.mean() / lengths.max()), 3),
          "response_length_max": int(lengths.max()),
@@ -304,6 +313,7 @@ def _tail_stats(outs, rates, compaction_rates, compaction_outs) -> dict:
                   for runs in (compaction_outs, outs))
     # A width one of the two skipped (its sequences ended before it) has no ratio.
     ratios = np.where((base > 0) & (mine > 0), mine / np.where(base > 0, base, 1), np.nan)
+    ratios[~np.asarray(clean)] = np.nan
     row["speedup_by_width_vs_plain_compaction"] = [
         None if np.all(np.isnan(column)) else round(float(np.nanmedian(column)), 3)
         for column in ratios.T]

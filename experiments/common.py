@@ -48,16 +48,23 @@ def paired_samples(runs: dict[str, Callable[[int], object]], samples: int
 
 
 class CompileCounter:
-  """Counts the programs XLA compiles in this process (JAX's compile events), so that a
-  benchmark can warm up until nothing new compiles and report what still did while
-  timed."""
+  """Counts the programs JAX compiles in this process and the seconds spent tracing,
+  lowering and compiling them (its compile events), so that a benchmark can warm up
+  until nothing new compiles and take what still compiled while timed out of its
+  times."""
+
+  STAGES = ("/jax/core/compile/jaxpr_trace_duration",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
 
   def __init__(self):
     import jax
-    self.count = 0
+    self.count, self.seconds = 0, 0.0
 
     def on_duration(name, seconds, **kwargs):
-      self.count += name == "/jax/core/compile/backend_compile_duration"
+      if name in self.STAGES:
+        self.seconds += seconds
+        self.count += name == self.STAGES[-1]
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
 
