@@ -284,4 +284,4 @@ plt.show()
 #   hidden states (`hidden_layers`, `finish`, `record`), or carry per-slot state
 #   (`init_state`, `on_admit`).
 # * To train a drafter during RL, register an `OnlineDrafter` builder
-#   (`specrl_jax.rl.online_drafters.register`).
+#   (`specrl_jax.rl.loop.online_drafters.register`).

@@ -67,9 +67,9 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import testing
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import sync
-from specrl_jax.rl.experiment import experiment_config
-from specrl_jax.rl.train_command import Session
+from specrl_jax.rl.loop import sync
+from specrl_jax.rl.app.experiment import experiment_config
+from specrl_jax.rl.app.train_command import Session
 
 FAST = os.environ.get("SPECRL_FAST", "0") == "1"
 print(f"JAX {jax.__version__} on {jax.devices()}; fast settings: {FAST}")

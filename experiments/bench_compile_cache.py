@@ -43,7 +43,7 @@ def child(argv: list[str]) -> int:
 
   jax.monitoring.register_event_duration_secs_listener(on_duration)
   jax.monitoring.register_event_listener(on_event)
-  from specrl_jax.rl import train_command
+  from specrl_jax.rl.app import train_command
   started = time.perf_counter()
   code = train_command.main(argv)
   print("RESULT " + json.dumps(dict(totals, **counts, exit_code=code,

@@ -86,10 +86,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specrl_jax.rl.async_pipeline import AsyncPipeline  # noqa: E402
-from specrl_jax.rl.experiment import experiment_config  # noqa: E402
-from specrl_jax.rl.sync import build_program, prompts_on_mesh  # noqa: E402
-from specrl_jax.rl.train_command import Session  # noqa: E402
+from specrl_jax.rl.loop.async_pipeline import AsyncPipeline  # noqa: E402
+from specrl_jax.rl.app.experiment import experiment_config  # noqa: E402
+from specrl_jax.rl.loop.sync import build_program, prompts_on_mesh  # noqa: E402
+from specrl_jax.rl.app.train_command import Session  # noqa: E402
 from specrl_jax.sampling.compaction import stage_widths  # noqa: E402
 
 
@@ -231,7 +231,7 @@ def _pair_warm_start(size: str, session: Session) -> None:
   start from (they were SFT'd / distilled on the pair's task), under the key of
   ``session``'s configuration, so that it is used rather than rebuilt."""
   from specrl_jax import checkpoint
-  from specrl_jax.rl import run_directory
+  from specrl_jax.rl.app import run_directory
   target, draft = _spec_pair().load_or_train(size=size)
   folder = os.path.join(session.config.output.directory, "warm_start")
   if os.path.exists(folder):

@@ -36,7 +36,7 @@ import train_drafter  # noqa: E402
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
 from specrl_jax.rl import tasks  # noqa: E402
-from specrl_jax.rl.sft import SFTConfig, train_sft  # noqa: E402
+from specrl_jax.rl.loop.sft import SFTConfig, train_sft  # noqa: E402
 from specrl_jax.speculative.drafters import specforge, training  # noqa: E402
 from specrl_jax.speculative.drafters.mtp import MTP  # noqa: E402
 

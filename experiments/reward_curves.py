@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from specrl_jax.rl.experiment import experiment_config  # noqa: E402
-from specrl_jax.rl.metrics import read_jsonl  # noqa: E402
-from specrl_jax.rl.train_command import Session  # noqa: E402
+from specrl_jax.rl.app.experiment import experiment_config  # noqa: E402
+from specrl_jax.rl.app.metrics import read_jsonl  # noqa: E402
+from specrl_jax.rl.app.train_command import Session  # noqa: E402
 
 
 def run(seeds: int, steps: int, out: str) -> dict:

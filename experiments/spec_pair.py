@@ -34,7 +34,7 @@ import common  # noqa: E402
 
 import specrl_jax as sj  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
-from specrl_jax.rl.sft import SFTConfig, train_sft  # noqa: E402
+from specrl_jax.rl.loop.sft import SFTConfig, train_sft  # noqa: E402
 from specrl_jax.rl.tasks.arithmetic import Arithmetic  # noqa: E402
 
 FOLDER = common.ARTIFACTS / "spec_pair"

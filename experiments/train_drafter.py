@@ -34,8 +34,9 @@ import common  # noqa: E402
 import specrl_jax as sj  # noqa: E402
 from specrl_jax import parallel, rl  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
-from specrl_jax.rl import online_drafters, rollout as rl_rollout, sync, tasks  # noqa: E402
-from specrl_jax.rl.sft import SFTConfig, train_sft  # noqa: E402
+from specrl_jax.rl.loop import online_drafters, rollout as rl_rollout, sync  # noqa: E402
+from specrl_jax.rl import tasks  # noqa: E402
+from specrl_jax.rl.loop.sft import SFTConfig, train_sft  # noqa: E402
 from specrl_jax.speculative.drafters import specforge, training  # noqa: E402
 from specrl_jax.speculative.drafters.eagle3 import Eagle3  # noqa: E402
 from specrl_jax.speculative.drafters.mtp import MTP  # noqa: E402

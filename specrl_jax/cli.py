@@ -9,10 +9,10 @@ import sys
 # subcommand -> (module with a ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("specrl_jax.demo", "short GRPO run with speculative rollouts on the default task"),
-    "train": ("specrl_jax.rl.train_command",
+    "train": ("specrl_jax.rl.app.train_command",
               "GRPO training: warm start, sync/async RL, metrics, checkpoints, plots, "
               "one or many processes"),
-    "eval": ("specrl_jax.rl.eval_command",
+    "eval": ("specrl_jax.rl.app.eval_command",
              "pass@1..k and mean reward of a run's policy (or a HF model) on held-out prompts"),
     "simulate": ("specrl_jax.sim.command",
                  "roofline simulation of an RL step, plain vs speculative rollouts"),

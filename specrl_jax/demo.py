@@ -26,10 +26,10 @@ import jax
 from flax import nnx
 
 from specrl_jax.compile_cache import cache_directory, persistent_cache
-from specrl_jax.rl.experiment import ExperimentConfig, experiment_config
-from specrl_jax.rl.rollout import make_rollout, rollout_drafter_params
-from specrl_jax.rl.sync import prompts_on_mesh
-from specrl_jax.rl.train_command import Models, Session
+from specrl_jax.rl.app.experiment import ExperimentConfig, experiment_config
+from specrl_jax.rl.loop.rollout import make_rollout, rollout_drafter_params
+from specrl_jax.rl.loop.sync import prompts_on_mesh
+from specrl_jax.rl.app.train_command import Models, Session
 from specrl_jax.speculative.rollout import acceptance_length
 
 
@@ -153,7 +153,7 @@ def run_demo(config: ExperimentConfig) -> dict:
                         label="speed check after RL")
   _report("rollout speed after RL (online-trained drafter)", after)
 
-  from specrl_jax.rl.metrics import read_jsonl
+  from specrl_jax.rl.app.metrics import read_jsonl
   records = read_jsonl(os.path.join(directory, "metrics.jsonl"))
   print("\nreward by step: " + " ".join(f"{r['reward_mean']:.2f}" for r in records))
   print("acceptance length by step: " + " ".join(f"{r['acceptance_length']:.2f}" for r in records))

@@ -28,7 +28,7 @@ from specrl_jax.checkpoint import TrainCheckpointManager
 from specrl_jax.config import ModelConfig
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.parallel import batch_sharding, distributed, make_mesh
-from specrl_jax.rl.learner import (
+from specrl_jax.rl.loop.learner import (
     Batch, LearnerConfig, abstract_train_state, init_train_state, make_log_prob_step,
     make_train_step,
 )

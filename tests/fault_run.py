@@ -57,7 +57,7 @@ def _install(fault: str) -> None:
       return saved
     checkpoint.TrainCheckpointManager.save = save_then_die
   elif kind == "step":
-    from specrl_jax.rl import metrics
+    from specrl_jax.rl.app import metrics
     write = metrics.MetricsWriter.write
 
     def write_then_die(self, step, values):
@@ -71,5 +71,5 @@ def _install(fault: str) -> None:
 
 if __name__ == "__main__":
   _install(sys.argv[1])
-  from specrl_jax.rl import train_command
+  from specrl_jax.rl.app import train_command
   sys.exit(train_command.main(sys.argv[2:]))

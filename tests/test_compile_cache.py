@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from specrl_jax import compile_cache
-from specrl_jax.rl import train_command
+from specrl_jax.rl.app import train_command
 
 
 def test_auto_puts_the_cache_beside_the_output_directory_and_off_turns_it_off(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 from specrl_jax.config import ConfigError
 from specrl_jax.models import tokenizer as builtin
 from specrl_jax.models.text_tokenizer import TextTokenizer, TokenizerFormatError
-from specrl_jax.rl.data_section import DataSection
-from specrl_jax.rl.evaluation import pass_at_k
+from specrl_jax.rl.app.data_section import DataSection
+from specrl_jax.rl.loop.evaluation import pass_at_k
 from specrl_jax.rl.tasks import (
     DatasetError, DatasetTask, RewardFunctionError, raise_pending_errors, read_records,
     resolve_reward, split_records,
@@ -201,8 +201,8 @@ def test_the_builtin_vocabulary_saves_as_a_folder_transformers_encodes_alike(tmp
 def test_a_run_recorded_before_the_data_fields_existed_still_resumes(tmp_path):
   import dataclasses
 
-  from specrl_jax.rl import run_directory
-  from specrl_jax.rl.experiment import ExperimentConfig, to_dict
+  from specrl_jax.rl.app import run_directory
+  from specrl_jax.rl.app.experiment import ExperimentConfig, to_dict
   old = to_dict(ExperimentConfig())
   del old["data"], old["policy"]["path"]
   run_directory.write_json(str(tmp_path / run_directory.CONFIG), old)
@@ -221,8 +221,8 @@ def test_decoding_stops_at_eos_and_skips_ids_past_the_tokenizers_vocabulary():
 
 
 def test_a_model_folder_whose_tokenizer_outgrows_its_embeddings_is_refused(tmp_path):
-  from specrl_jax.rl import run_data
-  from specrl_jax.rl.experiment import experiment_config
+  from specrl_jax.rl.app import run_data
+  from specrl_jax.rl.app.experiment import experiment_config
   builtin.text_tokenizer().save(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
   config = experiment_config("dataset", [f"--policy.path={tmp_path}"])
@@ -231,7 +231,7 @@ def test_a_model_folder_whose_tokenizer_outgrows_its_embeddings_is_refused(tmp_p
 
 
 def test_sft_examples_are_the_templated_prompt_then_solution_and_eos():
-  from specrl_jax.rl.sft import sft_examples
+  from specrl_jax.rl.loop.sft import sft_examples
   from specrl_jax.rl.tasks import Problem
   tok = TextTokenizer(tokenizer=builtin.builtin_tokenizer(), eos_ids=(builtin.EOS_ID,),
                       chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}="
@@ -246,7 +246,7 @@ def test_sft_examples_are_the_templated_prompt_then_solution_and_eos():
 def test_samples_go_to_the_jsonl_and_tensorboard_as_text(tmp_path):
   import os
 
-  from specrl_jax.rl.metrics import MetricsWriter, read_jsonl
+  from specrl_jax.rl.app.metrics import MetricsWriter, read_jsonl
   sample = {"prompt": "what is 2+2?", "completion": "four-ish 4", "reward": 1.0}
   with MetricsWriter(tmp_path) as writer:
     writer.write(0, {"reward_mean": 1.0, "samples": [sample],
@@ -262,7 +262,7 @@ def test_a_builtin_vocabulary_policy_saved_as_a_folder_trains_on_the_builtin_tas
   from flax import nnx
 
   import specrl_jax as sj
-  from specrl_jax.rl import train_command
+  from specrl_jax.rl.app import train_command
   model = sj.Transformer(sj.ModelConfig(vocab_size=builtin.VOCAB_SIZE, hidden_size=16,
                                         intermediate_size=32, num_layers=1, num_heads=2,
                                         num_kv_heads=1, head_dim=8), rngs=nnx.Rngs(0))

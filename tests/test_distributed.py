@@ -24,9 +24,9 @@ import distributed_worker as worker
 from specrl_jax.checkpoint import TrainCheckpointManager
 from specrl_jax.config import ConfigError
 from specrl_jax.parallel import batch_sharding, distributed, make_mesh
-from specrl_jax.rl import train_command
-from specrl_jax.rl.learner import abstract_train_state
-from specrl_jax.rl.metrics import read_jsonl
+from specrl_jax.rl.app import train_command
+from specrl_jax.rl.loop.learner import abstract_train_state
+from specrl_jax.rl.app.metrics import read_jsonl
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 # Every subprocess is killed (SIGKILL: jax.distributed catches SIGTERM) after this.
@@ -150,7 +150,7 @@ def _timed(command, timeout=120):
 
 def test_an_unreachable_coordinator_is_a_clear_error_not_a_hang():
   address = f"127.0.0.1:{_free_port()}"  # nothing listens there
-  result, seconds = _timed([sys.executable, "-m", "specrl_jax.rl.train_command",
+  result, seconds = _timed([sys.executable, "-m", "specrl_jax.rl.app.train_command",
                             "--coordinator", address, "--num-processes", "2",
                             "--process-id", "1", "--init-timeout", "2"])
   assert result.returncode == 1, result.stderr[-3000:]
@@ -159,7 +159,7 @@ def test_an_unreachable_coordinator_is_a_clear_error_not_a_hang():
 
 
 def test_processes_that_never_join_stop_the_coordinator_with_a_clear_error():
-  result, seconds = _timed([sys.executable, "-m", "specrl_jax.rl.train_command",
+  result, seconds = _timed([sys.executable, "-m", "specrl_jax.rl.app.train_command",
                             "--coordinator", f"127.0.0.1:{_free_port()}",
                             "--num-processes", "2", "--process-id", "0",
                             "--init-timeout", "3"])
@@ -171,7 +171,7 @@ def test_processes_that_never_join_stop_the_coordinator_with_a_clear_error():
 
 def test_processes_started_with_different_configurations_stop_before_training(tmp_path):
   processes = _start(_two_processes(
-      [sys.executable, "-m", "specrl_jax.rl.train_command", *TRAIN_ARGS,
+      [sys.executable, "-m", "specrl_jax.rl.app.train_command", *TRAIN_ARGS,
        f"--output.directory={tmp_path / 'run'}", "--init-timeout", "60"],
       extra=lambda process_id: [f"--rl.seed={process_id}"]), tmp_path)
   for process, output in zip(processes, _wait(processes, tmp_path)):
@@ -188,7 +188,7 @@ def test_distributed_finds_the_processes_in_the_slurm_environment(tmp_path):
   envs = [_env(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
                SLURM_PROCID=str(i), SLURM_LOCALID=str(i), JAX_COORDINATOR_PORT=port)
           for i in range(2)]
-  command = [sys.executable, "-m", "specrl_jax.rl.train_command", *TRAIN_ARGS,
+  command = [sys.executable, "-m", "specrl_jax.rl.app.train_command", *TRAIN_ARGS,
              "--rl.mesh=1,1,1", f"--output.directory={tmp_path / 'run'}", "--distributed",
              "--init-timeout", "60"]
   processes = _start([command, command], tmp_path, envs)
@@ -200,7 +200,7 @@ def test_distributed_finds_the_processes_in_the_slurm_environment(tmp_path):
 
 def test_a_process_that_dies_stops_the_others_within_the_heartbeat_timeout(tmp_path):
   survivor, victim = _start(_two_processes(
-      [sys.executable, "-m", "specrl_jax.rl.train_command", *TRAIN_ARGS,
+      [sys.executable, "-m", "specrl_jax.rl.app.train_command", *TRAIN_ARGS,
        f"--output.directory={tmp_path / 'run'}", "--heartbeat-timeout", "3"]), tmp_path)
   try:
     deadline = time.monotonic() + LIMIT
@@ -300,7 +300,7 @@ def test_weights_and_batches_cross_between_sub_meshes_of_different_processes(lea
 def rl_runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("rl")
   outputs = _run_ok(_two_processes(
-      [sys.executable, "-m", "specrl_jax.rl.train_command", *TRAIN_ARGS,
+      [sys.executable, "-m", "specrl_jax.rl.app.train_command", *TRAIN_ARGS,
        f"--output.directory={root / 'two'}"]), root)
   # One process of 8 devices, from the warm start the two processes wrote.
   shutil.copytree(root / "two" / "warm_start", root / "one" / "warm_start")
@@ -338,7 +338,7 @@ def async_rl_runs(rl_runs):
     shutil.copytree(root / "two" / "warm_start", root / run / "warm_start")
   (root / "async_logs").mkdir()
   _run_ok(_two_processes(
-      [sys.executable, "-m", "specrl_jax.rl.train_command", *TRAIN_ARGS, *ASYNC_ARGS,
+      [sys.executable, "-m", "specrl_jax.rl.app.train_command", *TRAIN_ARGS, *ASYNC_ARGS,
        f"--output.directory={root / 'async_two'}"]), root / "async_logs")
   config = train_command.parse_argv([*TRAIN_ARGS, *ASYNC_ARGS,
                                      f"--output.directory={root / 'async_one'}"])

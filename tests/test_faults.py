@@ -37,8 +37,10 @@ from specrl_jax import parallel, rl
 from specrl_jax.checkpoint import TrainCheckpointManager
 from specrl_jax.config import ConfigError
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import experiment, numerics, tasks, train_command
-from specrl_jax.rl.metrics import read_jsonl
+from specrl_jax.rl.app import experiment, train_command
+from specrl_jax.rl.loop import numerics
+from specrl_jax.rl import tasks
+from specrl_jax.rl.app.metrics import read_jsonl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Four one-checkpoint-per-step steps of a tiny policy without drafter (the preset's

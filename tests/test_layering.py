@@ -1,5 +1,8 @@
 """The package's layering holds in its import graph: plain sampling, the KV cache and
-the models know nothing of speculation or RL, and speculation knows nothing of RL."""
+the models know nothing of speculation or RL, speculation knows nothing of RL, and
+inside RL the application (commands, configs, run directories) sits on the loops
+(rollout, learner, sync and async) which sit on the algorithm (advantages, objectives);
+tasks and rewards know none of the three."""
 
 import ast
 import pathlib
@@ -14,6 +17,9 @@ RULES = (
     ("kv", ("speculative", "rl")),
     ("models", ("speculative", "rl")),
     ("speculative", ("rl",)),
+    ("rl.algo", ("rl.loop", "rl.app", "rl.tasks")),
+    ("rl.loop", ("rl.app",)),
+    ("rl.tasks", ("rl.algo", "rl.loop", "rl.app")),
 )
 
 

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 import specrl_jax as sj
 from specrl_jax import parallel, rl, testing
-from specrl_jax.rl import online_drafters
+from specrl_jax.rl.loop import online_drafters
 from specrl_jax.checkpoint import TrainCheckpointManager
 from specrl_jax.config import ConfigError
 from specrl_jax.models.attention import CausalNoCache

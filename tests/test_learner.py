@@ -21,7 +21,7 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.config import ConfigError
-from specrl_jax.rl.rollout import RolloutConfig
+from specrl_jax.rl.loop.rollout import RolloutConfig
 
 MODEL = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)

@@ -210,6 +210,6 @@ def _same_tree(a, b):
 
 
 def _named_pairs(a, b):
-  from specrl_jax.rl.lora import _name
+  from specrl_jax.rl.loop.lora import _name
   for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
     yield _name(path), np.asarray(x), np.asarray(y)

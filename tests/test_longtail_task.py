@@ -10,7 +10,7 @@ import pytest
 import specrl_jax as sj
 from specrl_jax.models import tokenizer
 from specrl_jax.rl import tasks
-from specrl_jax.rl.experiment import experiment_config
+from specrl_jax.rl.app.experiment import experiment_config
 
 
 def _operands(problem):

@@ -18,8 +18,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 import specrl_jax as sj
 from specrl_jax import cli
 from specrl_jax.models.text_tokenizer import TextTokenizer
-from specrl_jax.rl import train_command
-from specrl_jax.rl.metrics import read_jsonl
+from specrl_jax.rl.app import train_command
+from specrl_jax.rl.app.metrics import read_jsonl
 from specrl_jax.rl.tasks import step_indices
 
 NAMES = ("José", "ZOË", "Łukasz", "Ana", "Mr. O'Brien", "Søren", "Chloé", "Bjørn")

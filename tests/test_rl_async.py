@@ -12,7 +12,8 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import async_pipeline, online_drafters, rollout, tasks
+from specrl_jax.rl.loop import async_pipeline, online_drafters, rollout
+from specrl_jax.rl import tasks
 
 TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
 POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,

@@ -11,7 +11,9 @@ from flax import nnx
 import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import experiment, online_drafters, rollout, sync, tasks
+from specrl_jax.rl.app import experiment
+from specrl_jax.rl.loop import online_drafters, rollout, sync
+from specrl_jax.rl import tasks
 
 TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
 POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,

@@ -11,7 +11,8 @@ from flax import nnx
 
 import specrl_jax as sj
 from specrl_jax.models import tokenizer
-from specrl_jax.rl import sft, tasks
+from specrl_jax.rl.loop import sft
+from specrl_jax.rl import tasks
 
 
 def _responses(texts, width, *, eos=True):

@@ -14,8 +14,9 @@ import sys
 import pytest
 
 from specrl_jax.config import ConfigError
-from specrl_jax.rl import experiment, tasks, train_command
-from specrl_jax.rl.metrics import read_jsonl
+from specrl_jax.rl.app import experiment, train_command
+from specrl_jax.rl import tasks
+from specrl_jax.rl.app.metrics import read_jsonl
 
 # Eight steps of a tiny policy with an online-trained draft model, checkpoints every 2.
 ARGS = ["--preset=tiny", "--rl.steps=8", "--output.checkpoint_every=2",
@@ -33,7 +34,7 @@ def _env(cache):
 
 
 def _train(directory, cache, *extra):
-  command = [sys.executable, "-m", "specrl_jax.rl.train_command", *ARGS,
+  command = [sys.executable, "-m", "specrl_jax.rl.app.train_command", *ARGS,
              f"--output.directory={directory}", *extra]
   return subprocess.Popen(command, env=_env(cache), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

@@ -9,8 +9,9 @@ import pytest
 from flax import nnx
 
 from specrl_jax.config import ConfigError
-from specrl_jax.rl import tasks, train_command
-from specrl_jax.rl.metrics import read_jsonl
+from specrl_jax.rl import tasks
+from specrl_jax.rl.app import train_command
+from specrl_jax.rl.app.metrics import read_jsonl
 
 
 def _spread(response, targets):

@@ -1,7 +1,7 @@
 """Training hidden-state drafters (MTP, EAGLE-3), one name space for its three parts:
 the training-time-test loss (``training_time_test``), offline training on the target's
 rollouts (``offline``) and native checkpoints (``checkpoints``). Online training
-inside the RL learner lives in ``specrl_jax.rl.online_drafters``."""
+inside the RL learner lives in ``specrl_jax.rl.loop.online_drafters``."""
 
 from specrl_jax.speculative.drafters.checkpoints import load_drafter, save_drafter
 from specrl_jax.speculative.drafters.hidden_state import HiddenStateDrafter

@@ -1,5 +1,5 @@
 """EAGLE-3's *training-time test*: the loss that trains hidden-state drafters (MTP,
-EAGLE-3), offline (``offline``) or inside the RL learner (``rl.online_drafters``).
+EAGLE-3), offline (``offline``) or inside the RL learner (``rl.loop.online_drafters``).
 
 Step 0 runs the drafter over a sequence with the target's features as inputs, exactly
 as decoding does for committed tokens. Step i > 0 feeds each position the drafter's own

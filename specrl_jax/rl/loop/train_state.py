@@ -1,7 +1,7 @@
 """The learner's data: the train state, a training batch, and a drafter's objective.
 
-Kept apart from ``rl.learner`` (which compiles the update) so that the loss
-(``rl.policy_loss``) and the learner can both read them.
+Kept apart from ``rl.loop.learner`` (which compiles the update) so that the loss
+(``rl.loop.policy_loss``) and the learner can both read them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 
 from specrl_jax.config import check, is_integer
 from specrl_jax.models.transformer import ForwardOutput
-from specrl_jax.rl import lora, precision
-from specrl_jax.rl.lora import LoRAConfig
+from specrl_jax.rl.loop import lora, precision
+from specrl_jax.rl.loop.lora import LoRAConfig
 
 Array = jax.Array
 
@@ -28,7 +28,7 @@ class TrainState:
   rng holds raw key data (uint32), which checkpoints as a plain array; it is advanced
   once per step for stochastic objectives.
   With ``lora`` set, ``params`` are LoRA adapters and ``frozen_params`` the base policy
-  they adapt (``rl.lora``).
+  they adapt (``rl.loop.lora``).
   params / drafter_params (and so their optimizer moments) are the master copies
   (``LearnerConfig.master_dtype``); ``compute_dtypes`` / ``drafter_compute_dtypes``
   record the dtypes the model computes in, one per leaf, when they differ (static:
@@ -70,7 +70,7 @@ class Batch:
   tokens: int32 [B, T]; response_mask: [B, T], true on response tokens (never at t=0);
   advantages: float32 [B];
   old_logprobs: float32 [B, T], the denominator of the ratio: the learner's own
-    log-probs of the tokens (``rl.learn_step`` sets them; None until then);
+    log-probs of the tokens (``rl.loop.learn_step`` sets them; None until then);
   ref_logprobs: optional float32 [B, T] reference log-probs (else computed from the
     state's ref_params when present);
   rollout_logprobs: optional float32 [B, T] the sampler's log-probs, for the truncated

@@ -4,8 +4,8 @@
 
 runs, inside a single ``jax.jit``: a (speculative) rollout of G samples per prompt
 with the state's current policy and drafter weights -> rewards, the task's jittable
-reward (``rl.rollout``) -> group advantages -> the trainer's log-probs -> the GRPO
-update with the online drafter loss (``rl.learn_step``). The returned state's weights
+reward (``rl.loop.rollout``) -> group advantages -> the trainer's log-probs -> the GRPO
+update with the online drafter loss (``rl.loop.learn_step``). The returned state's weights
 are what the next rollout reads: the sampler and the learner share one copy, so
 nothing is synchronised or copied between steps and nothing crosses to the host (the
 test runs it under ``jax.transfer_guard("disallow")``).
@@ -28,10 +28,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.parallel.mesh import BATCH_AXES
-from specrl_jax.rl.learn_step import LearnStep, make_learn_step
-from specrl_jax.rl.learner import LearnerConfig, TrainState, TrainStep
-from specrl_jax.rl.online_drafters import OnlineDrafter
-from specrl_jax.rl.rollout import (
+from specrl_jax.rl.loop.learn_step import LearnStep, make_learn_step
+from specrl_jax.rl.loop.learner import LearnerConfig, TrainState, TrainStep
+from specrl_jax.rl.loop.online_drafters import OnlineDrafter
+from specrl_jax.rl.loop.rollout import (
     RolloutConfig, make_rollout, rollout_drafter_params, rollout_metrics,
 )
 from specrl_jax.rl.tasks.base import PromptBatch, Task

@@ -2,7 +2,7 @@
 and collapse.
 
 A step whose update is not finite was already undone inside the train step
-(``rl.numerics``); ``check_step`` stops the run right after it, before anything is
+(``rl.loop.numerics``); ``check_step`` stops the run right after it, before anything is
 checkpointed, so no checkpoint ever holds a non-finite value.
 
 Collapse is not an error: zero gradient norm with a constant reward for

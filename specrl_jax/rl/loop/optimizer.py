@@ -16,9 +16,9 @@ import optax
 from specrl_jax.config import (check, check_non_negative_int, check_positive_int, is_finite_number,
                                is_integer)
 from specrl_jax.models.transformer import REMAT_POLICIES
-from specrl_jax.rl.lora import LoRAConfig
-from specrl_jax.rl.losses import GRPOConfig
-from specrl_jax.rl.precision import MASTER_DTYPES
+from specrl_jax.rl.loop.lora import LoRAConfig
+from specrl_jax.rl.algo.losses import GRPOConfig
+from specrl_jax.rl.loop.precision import MASTER_DTYPES
 
 Array = jax.Array
 Schedule = Callable[[Array], Array]
@@ -59,7 +59,7 @@ class LearnerConfig:
     policy's); the drafter shares schedule shape, Adam and clipping settings.
   master_dtype: the dtype of the train state's weights and optimizer moments, "float32"
     (default) or None to keep the model's own; the loss and the rollout read the
-    weights cast back to the model's dtype (``rl.precision``).
+    weights cast back to the model's dtype (``rl.loop.precision``).
   remat: what each decoder block keeps for the backward pass, a name in
     ``models.transformer.REMAT_POLICIES`` ("none", "full", "dots_saveable", ...):
     memory, not math.
@@ -67,7 +67,7 @@ class LearnerConfig:
     update's own forward, detached, instead of a separate log-prob pass. Exact here:
     each batch gets one update, so the pass would compute the same values with the
     same weights; it saves one forward over the batch.
-  lora: train LoRA adapters on a frozen base instead of every weight (``rl.lora``).
+  lora: train LoRA adapters on a frozen base instead of every weight (``rl.loop.lora``).
   """
 
   learning_rate: float = 1e-6

@@ -2,7 +2,7 @@
 drafter's loss on the policy's detached activations, and the per-step diagnostics
 (the training-inference mismatch).
 
-The forward reads the compute copy of the master weights (``rl.precision``), so the
+The forward reads the compute copy of the master weights (``rl.loop.precision``), so the
 learner differentiates the forward the sampler runs; with ``LearnerConfig.remat`` each
 decoder block keeps only what its policy says for the backward pass.
 """
@@ -18,12 +18,12 @@ import jax.numpy as jnp
 from specrl_jax.config import SamplingParams, check
 from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.parallel.mesh import BATCH_AXES
-from specrl_jax.rl import precision
-from specrl_jax.rl.logprobs import token_log_probs
-from specrl_jax.rl.losses import grpo_loss
-from specrl_jax.rl.mismatch import mismatch_metrics
-from specrl_jax.rl.optimizer import LearnerConfig
-from specrl_jax.rl.train_state import Batch, DrafterObjective, TrainState
+from specrl_jax.rl.loop import precision
+from specrl_jax.rl.algo.logprobs import token_log_probs
+from specrl_jax.rl.algo.losses import grpo_loss
+from specrl_jax.rl.algo.mismatch import mismatch_metrics
+from specrl_jax.rl.loop.optimizer import LearnerConfig
+from specrl_jax.rl.loop.train_state import Batch, DrafterObjective, TrainState
 
 Array = jax.Array
 

@@ -6,10 +6,10 @@ graphdef and a parameter state; everything that changes during training lives in
 ``specrl_jax.parallel``. ``make_train_step`` compiles one update with explicit in/out
 shardings, the state donated, and micro-batches accumulated with ``lax.scan``. An
 update that would make any weight or optimizer moment non-finite is not kept
-(``rl.numerics``): the step returns its input state and says so in its metrics. The
-optimizer and its config live in ``rl.optimizer``; the loss in ``rl.policy_loss``.
+(``rl.loop.numerics``): the step returns its input state and says so in its metrics. The
+optimizer and its config live in ``rl.loop.optimizer``; the loss in ``rl.loop.policy_loss``.
 Weights and optimizer moments are float32 master copies whatever the model computes
-in (``rl.precision``).
+in (``rl.loop.precision``).
 
 An optional drafter (EAGLE-3 / MTP heads trained online) rides along: its params and
 optimizer state sit in the train state, and its loss reads the policy forward's
@@ -31,17 +31,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specrl_jax.config import SamplingParams, check
 from specrl_jax.parallel.mesh import BATCH_AXES, batch_sharding, data_parallel_size, replicated
 from specrl_jax.parallel.rules import TRANSFORMER_RULES, PartitionRules, named_shardings
-from specrl_jax.rl import lora, precision
-from specrl_jax.rl.logprobs import token_log_probs
-from specrl_jax.rl.losses import aggregation_weights, combine_metrics, valid_token_weights
-from specrl_jax.rl.numerics import keep_if_finite
-from specrl_jax.rl.optimizer import (  # noqa: F401  (re-exported: the learner's config)
+from specrl_jax.rl.loop import lora, precision
+from specrl_jax.rl.algo.logprobs import token_log_probs
+from specrl_jax.rl.algo.losses import aggregation_weights, combine_metrics, valid_token_weights
+from specrl_jax.rl.loop.numerics import keep_if_finite
+from specrl_jax.rl.loop.optimizer import (  # noqa: F401  (re-exported: the learner's config)
     SCHEDULES, LearnerConfig, drafter_peak, learning_rate_schedule, make_optimizer,
 )
-from specrl_jax.rl.policy_loss import (  # noqa: F401  (check_warp re-exported)
+from specrl_jax.rl.loop.policy_loss import (  # noqa: F401  (check_warp re-exported)
     check_warp, policy_and_drafter_loss, policy_forward,
 )
-from specrl_jax.rl.train_state import (  # noqa: F401  (re-exported: the learner's data)
+from specrl_jax.rl.loop.train_state import (  # noqa: F401  (re-exported: the learner's data)
     Batch, DrafterLossFn, DrafterObjective, TrainState,
 )
 
@@ -117,7 +117,7 @@ def init_train_state(params, config: LearnerConfig, mesh: Mesh, *, rng: Array,
     shardings, so every device creates only its own shard: the way to initialise on a
     multi-host mesh, where no single host can hold the model.
   with_reference: keep a frozen copy of the initial policy for the KL term.
-  The weights are kept in ``config.master_dtype`` (``rl.precision``); the dtypes they
+  The weights are kept in ``config.master_dtype`` (``rl.loop.precision``); the dtypes they
   came in are the ones the model computes in.
   """
   build, args = _state_builder(params, config, rng=rng, with_reference=with_reference,
@@ -200,7 +200,7 @@ def make_train_step(graphdef: nnx.GraphDef, config: LearnerConfig, mesh: Mesh,
   ``state`` (concrete or ``jax.eval_shape``-abstract) fixes the train-state structure,
   e.g. whether reference and drafter slots are filled. ``drafter`` must be given
   exactly when the state holds drafter params. Metrics include ``update_finite`` and
-  ``nonfinite_leaf`` (``rl.numerics.leaf_name`` names it; -1 when all are finite).
+  ``nonfinite_leaf`` (``rl.loop.numerics.leaf_name`` names it; -1 when all are finite).
   """
   check((drafter is None) == (state.drafter_params is None), "make_train_step",
         "drafter", drafter, "a DrafterObjective exactly when the state has drafter_params")

@@ -20,12 +20,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from specrl_jax.rl.advantages import group_advantages
-from specrl_jax.rl.learner import (
+from specrl_jax.rl.algo.advantages import group_advantages
+from specrl_jax.rl.loop.learner import (
     Batch, DrafterObjective, LearnerConfig, TrainState, TrainStep, make_log_prob_step,
     make_train_step,
 )
-from specrl_jax.rl.rollout import RolloutConfig, Trajectories
+from specrl_jax.rl.loop.rollout import RolloutConfig, Trajectories
 
 Array = jax.Array
 

@@ -4,7 +4,7 @@
 
 Each section validates itself and embeds the configs of the layers it drives
 (``rl.engine`` is an ``EngineConfig``, ``learner`` a ``LearnerConfig``,
-``drafter.model`` a ``ModelSection``); overrides follow ``rl.overrides``.
+``drafter.model`` a ``ModelSection``); overrides follow ``rl.app.overrides``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from specrl_jax.config import (ConfigError, ModelConfig, SamplingParams, check,
                                check_finite_number, check_non_negative_int,
                                check_positive_int)
 from specrl_jax.models import tokenizer
-from specrl_jax.rl.data_section import DataSection
-from specrl_jax.rl.learner import LearnerConfig
-from specrl_jax.rl.losses import GRPOConfig
-from specrl_jax.rl.overrides import apply_overrides, from_dict_of, to_dict  # noqa: F401
-from specrl_jax.rl.rollout import RolloutConfig
+from specrl_jax.rl.app.data_section import DataSection
+from specrl_jax.rl.loop.learner import LearnerConfig
+from specrl_jax.rl.algo.losses import GRPOConfig
+from specrl_jax.rl.app.overrides import apply_overrides, from_dict_of, to_dict  # noqa: F401
+from specrl_jax.rl.loop.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
 from specrl_jax.sampling.engine import EngineConfig
 

@@ -44,13 +44,13 @@ from specrl_jax.config import ConfigError, SpecConfig, check
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.mesh import batch_sharding
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
-from specrl_jax.rl.learn_step import make_learn_step
-from specrl_jax.rl.learner import Batch, LearnerConfig, TrainState
-from specrl_jax.rl.online_drafters import OnlineDrafter
-from specrl_jax.rl.rollout import (
+from specrl_jax.rl.loop.learn_step import make_learn_step
+from specrl_jax.rl.loop.learner import Batch, LearnerConfig, TrainState
+from specrl_jax.rl.loop.online_drafters import OnlineDrafter
+from specrl_jax.rl.loop.rollout import (
     RolloutConfig, Trajectories, make_rollout, rollout_drafter_params, rollout_metrics,
 )
-from specrl_jax.rl.sync import to_host
+from specrl_jax.rl.loop.sync import to_host
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.sharded import REPLICATE_DRAFTER_BELOW, tree_bytes

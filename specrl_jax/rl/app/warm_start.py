@@ -25,8 +25,9 @@ from specrl_jax import checkpoint
 from specrl_jax.models.hf import load_hf
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.parallel import distributed
-from specrl_jax.rl import run_directory, sft
-from specrl_jax.rl.experiment import ExperimentConfig
+from specrl_jax.rl.app import run_directory
+from specrl_jax.rl.loop import sft
+from specrl_jax.rl.app.experiment import ExperimentConfig
 from specrl_jax.rl.tasks import Task
 
 

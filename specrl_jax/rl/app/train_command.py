@@ -42,18 +42,19 @@ from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.distributed import DistributedError
 from specrl_jax.parallel.launch import DISTRIBUTED_FLAGS, parse_distributed_argv  # noqa: F401
-from specrl_jax.rl import numerics, run_data, run_directory
-from specrl_jax.rl.async_pipeline import AsyncPipeline, StalePolicyError
-from specrl_jax.rl.experiment import ExperimentConfig, PRESETS, to_dict
-from specrl_jax.rl.guards import CollapseDetector, TrainingDivergedError, check_step
-from specrl_jax.rl.learner import TrainState, abstract_train_state, init_train_state
-from specrl_jax.rl.metrics import MetricsWriter, plot_run, read_jsonl, summarize, with_rates
-from specrl_jax.rl.meshes import check_layout, checkpoint_mesh, run_meshes
-from specrl_jax.rl.online_drafters import OnlineDrafter, online_drafter
-from specrl_jax.rl.sync import RLProgram, build_program, prompts_on_mesh, to_host
+from specrl_jax.rl.loop import numerics
+from specrl_jax.rl.app import run_data, run_directory
+from specrl_jax.rl.loop.async_pipeline import AsyncPipeline, StalePolicyError
+from specrl_jax.rl.app.experiment import ExperimentConfig, PRESETS, to_dict
+from specrl_jax.rl.app.guards import CollapseDetector, TrainingDivergedError, check_step
+from specrl_jax.rl.loop.learner import TrainState, abstract_train_state, init_train_state
+from specrl_jax.rl.app.metrics import MetricsWriter, plot_run, read_jsonl, summarize, with_rates
+from specrl_jax.rl.app.meshes import check_layout, checkpoint_mesh, run_meshes
+from specrl_jax.rl.loop.online_drafters import OnlineDrafter, online_drafter
+from specrl_jax.rl.loop.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, RewardFunctionError, Task, make_prompt_set, step_indices
-from specrl_jax.rl.train_argv import parse_argv
-from specrl_jax.rl.warm_start import Models, fresh_models, warm_start
+from specrl_jax.rl.app.train_argv import parse_argv
+from specrl_jax.rl.app.warm_start import Models, fresh_models, warm_start
 from specrl_jax.sampling.results import PagePoolExhaustedError
 
 __all__ = ["Models", "Session", "TrainingDivergedError", "main", "parse_argv"]
@@ -127,7 +128,7 @@ class Session:
 
   def warm_start(self) -> Models:
     """SFT the policy, distil the draft model; cached in <directory>/warm_start under
-    the configuration that made it (``rl.warm_start``)."""
+    the configuration that made it (``rl.app.warm_start``)."""
     self.check_resumable()
     return warm_start(self.config, self.record, self.task, log=self.log,
                       timings=self.timings)
@@ -371,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if any(a in ("-h", "--help") for a in argv):
     print(__doc__)
-    print(f"presets: {sorted(PRESETS)}; fields: see specrl_jax/rl/experiment.py")
+    print(f"presets: {sorted(PRESETS)}; fields: see specrl_jax/rl/app/experiment.py")
     return 0
   try:
     launch, argv = parse_distributed_argv(argv)

@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from specrl_jax.config import ConfigError
 from specrl_jax.parallel.mesh import data_parallel_size, make_mesh
-from specrl_jax.rl.experiment import RLSection
+from specrl_jax.rl.app.experiment import RLSection
 
 
 def run_meshes(rl: RLSection) -> tuple[Mesh, Mesh | None]:

@@ -26,9 +26,9 @@ from flax import nnx
 
 from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError
-from specrl_jax.rl import run_directory
-from specrl_jax.rl.evaluation import evaluate
-from specrl_jax.rl.experiment import PRESETS, apply_overrides, from_dict
+from specrl_jax.rl.app import run_directory
+from specrl_jax.rl.loop.evaluation import evaluate
+from specrl_jax.rl.app.experiment import PRESETS, apply_overrides, from_dict
 from specrl_jax.rl.tasks import RewardFunctionError
 
 # Options of the command itself; anything else is a --section.field override.
@@ -62,7 +62,7 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
 
 def _policy_and_task(path: str, overrides: list[str], split: str):
   """(policy model, task to evaluate, checkpoint step or None, correct threshold)."""
-  from specrl_jax.rl.train_command import Session  # the RL stack, only when needed
+  from specrl_jax.rl.app.train_command import Session  # the RL stack, only when needed
   record = run_directory.read_json(os.path.join(path, run_directory.CONFIG))
   is_run = record is not None and "rl" in record
   if is_run:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from specrl_jax.config import SamplingParams
 from specrl_jax.models.transformer import ForwardOutput
-from specrl_jax.rl.learner import Batch, DrafterObjective
+from specrl_jax.rl.loop.learner import Batch, DrafterObjective
 from specrl_jax.sampling.warp import warped_log_probs
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.drafters.draft_model import DraftModel
@@ -61,7 +61,7 @@ def online_drafter(drafter: Drafter, *, sampling: SamplingParams, loss_weight: f
       return BUILDERS[klass](drafter, sampling=sampling, loss_weight=loss_weight)
   raise TypeError(f"{type(drafter).__name__} cannot train online: no builder among "
                   f"{sorted(k.__name__ for k in BUILDERS)}; train it offline or register one "
-                  "with specrl_jax.rl.online_drafters.register.")
+                  "with specrl_jax.rl.loop.online_drafters.register.")
 
 
 @register(DraftModel)

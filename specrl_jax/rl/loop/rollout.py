@@ -5,7 +5,7 @@
 reading the policy weights gathered from their FSDP shards. It returns
 ``Trajectories``: the learner's rows with the rollout's log-probs, per-sample rewards
 and lengths, and the engine's counters. Advantages and the learner's log-probs are
-the learner's (``rl.learn_step``), so a batch here holds only what the sampler
+the learner's (``rl.loop.learn_step``), so a batch here holds only what the sampler
 produced.
 """
 
@@ -24,9 +24,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from specrl_jax.config import SamplingParams, SpecConfig, check, check_positive_int
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
-from specrl_jax.rl.policy_loss import check_warp
-from specrl_jax.rl.train_state import Batch
-from specrl_jax.rl.online_drafters import OnlineDrafter
+from specrl_jax.rl.loop.policy_loss import check_warp
+from specrl_jax.rl.loop.train_state import Batch
+from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.compaction import stage_widths

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from specrl_jax.rl.experiment import ExperimentConfig, experiment_config
+from specrl_jax.rl.app.experiment import ExperimentConfig, experiment_config
 
 # Short flags for the fields a run on one's own model and data always sets.
 ALIASES = {"--model": "--policy.path", "--dataset": "--data.path", "--reward": "--data.reward"}

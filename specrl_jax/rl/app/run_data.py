@@ -14,9 +14,9 @@ from flax import nnx
 from specrl_jax.config import ConfigError
 from specrl_jax.models import tokenizer
 from specrl_jax.models.text_tokenizer import TextTokenizer
-from specrl_jax.rl import run_directory
-from specrl_jax.rl.evaluation import evaluate
-from specrl_jax.rl.experiment import ExperimentConfig
+from specrl_jax.rl.app import run_directory
+from specrl_jax.rl.loop.evaluation import evaluate
+from specrl_jax.rl.app.experiment import ExperimentConfig
 from specrl_jax.rl.tasks import DatasetTask, PromptSet, Task
 
 

@@ -1,0 +1,1 @@
+"""Algorithm: advantages, policy objectives and loss aggregation (pure functions)."""
