@@ -130,6 +130,12 @@ def test_speculation_on_a_tensor_parallel_mesh_follows_the_exact_joint(target, d
   joint_check(target, draft, SpecConfig(num_draft_tokens=3), mesh=mesh_of((1, 1, 2)))
 
 
+def test_speculation_with_the_kernels_split_over_tensor_shards_follows_the_exact_joint(
+    target, draft):
+  joint_check(target, draft, SpecConfig(num_draft_tokens=3), mesh=mesh_of((1, 1, 2)),
+              engine=EngineConfig(page_size=4, num_slots=4096, attention="pallas"))
+
+
 # --- bfloat16 ----------------------------------------------------------------------
 
 BF16 = TARGET.replace(param_dtype="bfloat16", dtype="bfloat16")

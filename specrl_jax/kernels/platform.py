@@ -36,8 +36,13 @@ def lowering_for(platform: str) -> Iterator[None]:
   platforms=[platform])``."""
   check(platform in LOWERING_PLATFORMS, "lowering_for", "platform", platform,
         f"one of {tuple(LOWERING_PLATFORMS)}")
+  # JAX's trace caches do not key on this choice: cleared on the way in, so no trace
+  # made for this machine is reused, and on the way out, so nothing run here after
+  # reuses a trace that calls another platform's kernels.
+  jax.clear_caches()
   token = _target.set(LOWERING_PLATFORMS[platform])
   try:
     yield
   finally:
     _target.reset(token)
+    jax.clear_caches()

@@ -6,6 +6,8 @@ per KV head (and its group of query heads), so a ``shard_map`` over "tensor" run
 kernel once per shard of heads on exactly the heads that shard holds: queries and new
 keys split on their head axis, the pages on their KV-head axis (as the sharded key and
 value projections write them), the page table, prefix lengths and mask whole.
+Mosaic (TPU) kernels lower only where every mesh axis is manual, so the region is
+manual over the batch axes too unless the caller's already is.
 """
 
 from __future__ import annotations
@@ -51,5 +53,12 @@ class SplitHeads:
     per_shard = jax.shard_map(
         self.kernel, mesh=self.mesh,
         in_specs=(_HEADS, _PAGE_HEADS, _PAGE_HEADS, P(), P(), _HEADS, _HEADS, P()),
-        out_specs=_HEADS, axis_names={"tensor"}, check_vma=False)
+        out_specs=_HEADS, axis_names=self.axes_to_enter(), check_vma=False)
     return per_shard(*args)
+
+  def axes_to_enter(self) -> set[str]:
+    """Every axis of the mesh not already manual where this is traced: Mosaic kernels
+    lower only in a region manual over all of them (the batch axes, when a per-shard
+    program has not made them manual already, hold one shard: their specs replicate)."""
+    already = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return set(self.mesh.axis_names) - already
