@@ -9,10 +9,10 @@ from specrl_jax.rl.algo.advantages import (
     ADVANTAGES, estimate_advantages, group_advantages, register_advantage,
 )
 from specrl_jax.rl.algo.logprobs import policy_log_probs, token_log_probs
-from specrl_jax.rl.algo.losses import (
-    AGGREGATIONS, GRPOConfig, aggregation_weights, combine_metrics, grpo_loss, k3_kl,
-    register_aggregation, valid_token_weights,
+from specrl_jax.rl.algo.aggregation import (
+    AGGREGATIONS, aggregation_weights, register_aggregation, valid_token_weights,
 )
+from specrl_jax.rl.algo.losses import GRPOConfig, combine_metrics, grpo_loss, k3_kl
 from specrl_jax.rl.algo.objectives import OBJECTIVES, ObjectiveTerms, register_objective
 from specrl_jax.rl.loop.learner import (
     SCHEDULES, Batch, DrafterObjective, LearnerConfig, TrainState, TrainStep,

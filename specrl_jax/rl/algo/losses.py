@@ -16,9 +16,7 @@ import jax.numpy as jnp
 
 from specrl_jax.config import ConfigError, check, is_finite_number
 from specrl_jax.rl.algo.advantages import ADVANTAGES
-from specrl_jax.rl.algo.aggregation import (  # noqa: F401  (re-exported: the loss's weights)
-    AGGREGATIONS, aggregation_weights, register_aggregation, valid_token_weights,
-)
+from specrl_jax.rl.algo.aggregation import AGGREGATIONS, aggregation_weights, valid_token_weights
 from specrl_jax.rl.algo.objectives import OBJECTIVES
 
 Array = jax.Array
