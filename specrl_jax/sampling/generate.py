@@ -53,13 +53,13 @@ def decode(model: Transformer, prompts: list[list[int]], rng: jax.Array, *,
   """
   config = model.config
   graphdef, params = nnx.split(model)
-  engine = sharded.engine_for_mesh(engine, mesh)
   if mesh is not None and sharded.batch_shards(mesh) > 1:
     return _decode_on_shards(config, graphdef, params, prompts, rng, sampling=sampling,
                              engine=engine, mesh=mesh, rounds=rounds)
   inputs, layout = pack(config, prompts, sampling, engine, rounds=rounds,
                         weight_bytes=weight_bytes_for(params, engine, mesh),
                         tensor_shards=tensor_shards_of(mesh))
+  layout = sharded.layout_on_mesh(layout, mesh)
   if decode_fn is None:
     inputs, layout = bucket_inputs(inputs, layout, engine)
   hook_params = rounds.params() if rounds is not None else ()
@@ -90,6 +90,7 @@ def _decode_on_shards(config, graphdef, params, prompts: list[list[int]], rng, *
                          num_requests=len(blocks.blocks[0]), sampling=sampling, engine=engine,
                          drafter=rounds, weight_bytes=weight_bytes_for(params, engine, mesh),
                          tensor_shards=tensor_shards_of(mesh))
+  layout = sharded.layout_on_mesh(layout, mesh)
   params = sharded.place_weights(params, mesh)
   hook_params, placement = sharded.place_drafter(
       rounds.params() if rounds is not None else (), params, mesh)

@@ -27,6 +27,9 @@ class Layout:
   pages_always_enough: int
   kv_dtype: str = "float32"
   attention: str = "auto"     # EngineConfig.attention, resolved in init_state
+  # The mesh whose "tensor" axis splits the heads (None: one device, or tensor = 1):
+  # the kernels then run per head shard (``sharded.layout_on_mesh``).
+  tensor_mesh: Mesh | None = None
   # The narrowest width slot compaction goes to (0: none; ``sampling.compaction``).
   compaction_min_width: int = 0
 

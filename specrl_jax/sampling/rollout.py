@@ -80,7 +80,7 @@ def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds
   k_pages, v_pages = init_pages(layer_shapes, layout.num_pages, layout.page_size,
                                 jnp.dtype(layout.kv_dtype))
   n = layout.num_slots
-  attention = resolve_attention(layout.attention)
+  attention = resolve_attention(layout.attention, mesh=layout.tensor_mesh)
   kv = PagedKV(k_pages=k_pages, v_pages=v_pages,
                attention_fn=attention.decode, prefill_attention_fn=attention.prefill,
                page_table_BxM=jnp.zeros((n, layout.max_pages_per_seq), jnp.int32),
