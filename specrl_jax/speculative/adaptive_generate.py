@@ -73,7 +73,7 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     return _plain_rollout(graphdef, params, inputs, rng, sampling=sampling, layout=layout,
                           controller=controller, first_decision=first_decision)
   drafter_params = drafter.params() if drafter_params is None else drafter_params
-  start = time.perf_counter()
+  began_rollout = time.perf_counter()
   longest_rounds = Speculation(drafter=drafter, topology=topology, draft_mode=draft_mode)
   state, prompts = start(graphdef, params, drafter_params, inputs, rng, sampling=sampling,
                          layout=layout, rounds=longest_rounds)
@@ -139,7 +139,7 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     # counts. Without a queue the batch ends with its slowest sequence.
     shape = controller.choose(widths[stage], None if queued else remaining_N.tolist())
   final = fetch_results(state)
-  seconds = time.perf_counter() - start
+  seconds = time.perf_counter() - began_rollout
   raise_if_exhausted(final, layout, inputs)
   output = to_output(final, seconds, longest_rounds)
   if len(widths) > 1:
