@@ -25,6 +25,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from specrl_jax.rl.tasks.reward_values import RewardValueError, reward_value
+
 # How long a fresh worker may take to import and unpickle the reward function.
 STARTUP_SECONDS = 120.0
 _WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -42,13 +44,14 @@ class SampleError(Exception):
 
 def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None,
                       index: int) -> float:
-  """``float(fn(*args))``, or SampleError if it raises anything (SystemExit included)
-  or has not returned after ``timeout`` seconds (None: no limit)."""
+  """``fn(*args)`` as a float (``reward_values``), or SampleError if it raises anything
+  (SystemExit included), returns no finite real number, or has not returned after
+  ``timeout`` seconds (None: no limit)."""
   box: dict[str, Any] = {}
 
   def run():
     try:
-      box["value"] = float(fn(*args))
+      box["value"] = reward_value(fn(*args))
     except BaseException as error:  # noqa: B036 (SystemExit must not end the trainer)
       box["error"] = error
 
@@ -63,13 +66,15 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None
                                "abandoned; use worker processes to have it killed)")
   if "error" in box:
     error = box["error"]
+    if isinstance(error, RewardValueError):
+      raise SampleError(index, str(error), error)
     raise SampleError(index, f"raised {type(error).__name__}: {error}", error)
   return box["value"]
 
 
 def call_all_with_timeout(fn: Callable[..., Any], samples: Sequence[tuple], timeout: float | None,
                           threads: int) -> list[float]:
-  """``[float(fn(*sample)) for sample in samples]`` computed by up to ``threads`` calls
+  """``[call_with_timeout(fn, sample, ...) for sample in samples]`` computed by up to ``threads`` calls
   at once (each as ``call_with_timeout``: its own daemon thread and deadline); the
   first failure, by sample order, is raised as SampleError."""
   if threads <= 1 or len(samples) <= 1:
@@ -109,10 +114,18 @@ def _stop(process: subprocess.Popen | None) -> int | None:
 
 class RewardWorkers:
   """``num_workers`` processes scoring samples with ``fn`` (which must pickle: a
-  module-level function or a picklable callable object)."""
+  module-level function or a picklable callable object).
+
+  failure_score: None, a call that times out or kills its worker fails the batch
+  (SampleError); a number, that sample scores it instead and the failure is kept for
+  ``take_failures`` (so one hostile completion, e.g. a CAS expression that never
+  finishes, costs its own reward and not the run). Exceptions the function raises
+  and values it returns that are no reward fail the batch either way: those are
+  bugs of the function, not of one sample.
+  """
 
   def __init__(self, fn: Callable[..., Any], *, num_workers: int, timeout: float | None,
-               memory_limit_bytes: int | None = None):
+               memory_limit_bytes: int | None = None, failure_score: float | None = None):
     try:
       self._payload = pickle.dumps(fn)
     except Exception as error:
@@ -120,6 +133,8 @@ class RewardWorkers:
                       f"({type(error).__name__}: {error}): give a module-level function "
                       "or a picklable callable object.") from error
     self.timeout = timeout
+    self.failure_score = failure_score
+    self._failures: list[SampleError] = []
     self._memory_limit = memory_limit_bytes
     self._processes: list[subprocess.Popen | None] = [None] * num_workers
     self._connections: list[Connection | None] = [None] * num_workers
@@ -186,23 +201,40 @@ class RewardWorkers:
             kind, value = self._connections[worker].recv()
           except (EOFError, OSError):
             code = self._kill(worker)
-            raise SampleError(index, f"killed its worker process (exit code {code}; e.g. "
-                                     "os._exit, a crash, or over its memory limit)") from None
+            rewards[index] = self._failed(SampleError(
+                index, f"killed its worker process (exit code {code}; e.g. os._exit, a "
+                       "crash, or over its memory limit)"))
+            continue
           if kind == "error":
             raise SampleError(index, f"raised {value} (in a worker process)")
+          if kind == "refused":
+            raise SampleError(index, f"{value} (in a worker process)")
           rewards[index] = value
         now = time.monotonic()
         for worker, (index, deadline) in list(busy.items()):
           if now >= deadline:
             busy.pop(worker)
             self._kill(worker)
-            raise SampleError(index, f"did not return within {self.timeout} s (its worker "
-                                     "process was killed)")
+            rewards[index] = self._failed(SampleError(
+                index, f"did not return within {self.timeout} s (its worker process was "
+                       "killed)"))
     except BaseException:
       for worker in busy:  # their answers would arrive as the next batch's
         self._kill(worker)
       raise
     return rewards
+
+  def _failed(self, error: SampleError) -> float:
+    if self.failure_score is None:
+      raise error
+    self._failures.append(error)
+    return self.failure_score
+
+  def take_failures(self) -> list[SampleError]:
+    """The samples scored ``failure_score`` since the last call, in the order they failed."""
+    with self._lock:
+      failures, self._failures = self._failures, []
+    return failures
 
   def close(self) -> None:
     for worker in range(len(self._processes)):
