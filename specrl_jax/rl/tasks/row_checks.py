@@ -59,7 +59,7 @@ class RowReport:
                    f"--data.max_prompt_tokens={self.max_prompt_tokens} (the longest has "
                    f"{max(lengths)} tokens): raise it to {need} or shorten them")
     if len(lengths) < len(self.bad):
-      fixes.append("fix or remove the other rows")
+      fixes.append("fix or remove the other rows" if lengths else "fix or remove these rows")
     return (f"dataset {self.source!r}: {len(self.bad)} of {self.num_rows} rows cannot be used "
             f"(rows count from 0): {shown}{more}. {'; '.join(fixes)}")
 
