@@ -7,8 +7,8 @@ tokens and decoding, without transformers at run time.
 
 The folder's tokenizer.json is read with ``tokenizers``; chat_template.jinja (else
 tokenizer_config.json) gives the chat template, chosen as transformers chooses it
-(``chat_template``); tokenizer_config.json the bos/eos/pad tokens; generation_config.json's eos_token_id
-(an int or a list) adds stop ids. A prompt is rendered as transformers'
+(``chat_template``); tokenizer_config.json the bos/eos/pad tokens;
+generation_config.json's eos_token_id (an int or a list) adds stop ids. A prompt is rendered as transformers'
 ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` renders
 it (the same sandboxed jinja2 environment) and encoded without adding special tokens,
 as ``apply_chat_template(..., tokenize=True)`` does: the template writes bos itself.

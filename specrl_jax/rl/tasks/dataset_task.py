@@ -137,8 +137,8 @@ class DatasetTask(Task):
       value = value[-1]["content"]
     elif not isinstance(value, str):
       raise DatasetError(f"row {index}: column {self.prompt_field!r} holds "
-                         f"{type(value).__name__} {value!r}; expected the prompt's text or a "
-                         "list of chat messages ({'role': ..., 'content': ...})")
+                         f"{type(value).__name__} {repr(value)[:80]}; expected the prompt's "
+                         "text or a list of chat messages ({'role': ..., 'content': ...})")
     return Problem(prompt=value, solution=self.solution(index),
                    targets={"index": np.asarray(index, np.int32)}, system=system,
                    messages=messages)
@@ -151,7 +151,8 @@ class DatasetTask(Task):
     value = self.records[index].get(self.solution_field)
     if value is None or not isinstance(value, (str, int, float)) or isinstance(value, bool):
       raise DatasetError(f"row {index}: column {self.solution_field!r} holds "
-                         f"{type(value).__name__} {value!r}; expected the worked solution's text")
+                         f"{type(value).__name__} {repr(value)[:80]}; expected the worked "
+                         "solution's text")
     return str(value)
 
   def problems(self) -> list[Problem]:

@@ -74,8 +74,8 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None
 
 def call_all_with_timeout(fn: Callable[..., Any], samples: Sequence[tuple], timeout: float | None,
                           threads: int) -> list[float]:
-  """``[call_with_timeout(fn, sample, ...) for sample in samples]`` computed by up to ``threads`` calls
-  at once (each as ``call_with_timeout``: its own daemon thread and deadline); the
+  """``[call_with_timeout(fn, sample, ...) for sample in samples]`` computed by up to
+  ``threads`` calls at once (each as ``call_with_timeout``: its own daemon thread and deadline); the
   first failure, by sample order, is raised as SampleError."""
   if threads <= 1 or len(samples) <= 1:
     return [call_with_timeout(fn, sample, timeout, i) for i, sample in enumerate(samples)]
@@ -138,6 +138,7 @@ class RewardWorkers:
     self._memory_limit = memory_limit_bytes
     self._processes: list[subprocess.Popen | None] = [None] * num_workers
     self._connections: list[Connection | None] = [None] * num_workers
+    self._ready = [False] * num_workers
     self._lock = threading.Lock()
     weakref.finalize(self, lambda processes: [_stop(p) for p in processes], self._processes)
 
@@ -148,6 +149,7 @@ class RewardWorkers:
     theirs.close()
     ours.send((list(sys.path), self._payload, self._memory_limit))
     self._processes[worker], self._connections[worker] = process, ours
+    self._ready[worker] = False
     return ours
 
   def _kill(self, worker: int) -> int | None:
@@ -157,14 +159,20 @@ class RewardWorkers:
     self._processes[worker] = self._connections[worker] = None
     return code
 
-  def _running(self, worker: int, index: int) -> Connection:
-    """The worker's connection, (re)starting it first if it is not running."""
+  def _alive(self, worker: int) -> bool:
     process = self._processes[worker]
-    if process is not None and process.poll() is None:
-      return self._connections[worker]
-    self._kill(worker)
+    return process is not None and process.poll() is None
+
+  def _running(self, worker: int, index: int) -> Connection:
+    """The worker's connection once it has loaded the function, (re)starting it
+    first if it is not running."""
+    if not self._alive(worker):
+      self._kill(worker)
+      self._start(worker)
+    connection = self._connections[worker]
+    if self._ready[worker]:
+      return connection
     try:
-      connection = self._start(worker)
       if not connection.poll(STARTUP_SECONDS):
         raise EOFError
       connection.recv()  # "ready": the function is loaded
@@ -172,6 +180,7 @@ class RewardWorkers:
       code = self._kill(worker)
       raise SampleError(index, f"its worker process did not load the reward function "
                                f"(exit code {code}; its stderr says why)") from None
+    self._ready[worker] = True
     return connection
 
   def score(self, samples: Sequence[tuple[str, Any]]) -> list[float]:
@@ -183,6 +192,10 @@ class RewardWorkers:
   def _score(self, samples):
     rewards: list[float | None] = [None] * len(samples)
     todo = list(range(len(samples)))[::-1]
+    for worker in range(min(len(self._processes), len(samples))):
+      if not self._alive(worker):  # start them all at once: each takes seconds to load
+        self._kill(worker)
+        self._start(worker)
     busy: dict[int, tuple[int, float]] = {}  # worker -> (sample, deadline)
     try:
       while todo or busy:
