@@ -258,6 +258,16 @@ def test_logged_samples_are_in_sample_order_not_thread_completion_order():
   _host_rewards(task, [str(i) for i in range(6)])
   assert [s["completion"] for s in task.take_samples()] == ["2", "3", "4", "5"]
   assert task.take_samples() == []
+  # Two rollout shards' calls in either order, and a batch scored ahead (row 5): the
+  # step's log takes its own rows' first samples in the step's order.
+  fast = _task(_rows(6), lambda prompt, completion, answer: 1.0)
+  _host_rewards(fast, ["3", "3", "1", "1"], rows=[3, 3, 1, 1])
+  _host_rewards(fast, ["5"], rows=[5])
+  _host_rewards(fast, ["4", "0", "0"], rows=[4, 0, 0])
+  taken = fast.take_samples(rows=[0, 3, 4, 1])
+  assert [(s["prompt"], s["completion"]) for s in taken] == [
+      ("what is 0+0?", "0"), ("what is 0+0?", "0"), ("what is 3+3?", "3"), ("what is 3+3?", "3")]
+  assert [s["completion"] for s in fast.take_samples(rows=[5, 2])] == ["5"]
   task.score_texts([0], ["1"])  # evaluation is not logged as training samples
   assert task.take_samples() == []
 
@@ -315,6 +325,15 @@ def test_an_empty_dataset_is_named_empty(tmp_path):
     read_records(tmp_path / "empty.json")
 
 
+def test_an_answer_column_of_texts_and_lists_is_read_row_by_row(tmp_path):
+  rows = [{"prompt": "a", "answer": ["7", "seven"]}, {"prompt": "b", "answer": "8"}]
+  assert read_records(_write(tmp_path / "mixed.jsonl", rows)) == rows
+  (tmp_path / "list.jsonl").write_text('{"prompt": "a"}\n[1, 2]\n')
+  with pytest.raises(DatasetError, match=r"list.jsonl': line 2 is list '\[1, 2\]'; expected an "
+                     "object"):
+    read_records(tmp_path / "list.jsonl")
+
+
 def test_a_json_file_holding_one_array_of_rows_is_read(tmp_path):
   rows = [{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": [2, 3], "extra": "x"}]
   (tmp_path / "rows.json").write_text(json.dumps(rows, indent=2))
@@ -329,9 +348,9 @@ def test_a_json_file_holding_one_array_of_rows_is_read(tmp_path):
 def test_a_row_of_3_mb_is_read_and_a_broken_line_is_named(tmp_path):
   rows = [{"prompt": "x" * 3_000_000, "answer": 1}, {"prompt": "y", "answer": 2}]
   assert read_records(_write(tmp_path / "huge.jsonl", rows)) == rows
-  (tmp_path / "broken.jsonl").write_text(json.dumps(rows[1]) + "\n" + "x" * 2_000_000 + "\n")
-  with pytest.raises(DatasetError, match=r"broken.jsonl' could not be read: .*in row 1 \(rows "
-                     "count from 0\\)"):
+  (tmp_path / "broken.jsonl").write_text(json.dumps(rows[1]) + "\n\n" + "x" * 2_000_000 + "\n")
+  with pytest.raises(DatasetError, match=r"broken.jsonl' line 3 is not valid JSON \(Expecting "
+                     "value: line 1 column 1"):
     read_records(tmp_path / "broken.jsonl")
 
 

@@ -87,9 +87,9 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
   """The data records of step ``step`` for its metrics line: ``data`` (position),
   ``samples`` (a few scored ones, dataset tasks) and, every ``data.eval_every``
   steps, the held-out split's ``eval_*`` metrics under the updated policy."""
-  records: dict[str, Any] = {
-      "data": data_position(prompt_set, indices, step, config.rl.prompts_per_step)}
-  samples = task.take_samples() if isinstance(task, DatasetTask) else []
+  position = data_position(prompt_set, indices, step, config.rl.prompts_per_step)
+  records: dict[str, Any] = {"data": position}
+  samples = task.take_samples(position["rows"]) if isinstance(task, DatasetTask) else []
   if samples:
     records["samples"] = samples
   if isinstance(task, DatasetTask) and task.skipped_rows:

@@ -79,6 +79,16 @@ def _first_character(path: str) -> str:
   return ""
 
 
+def _rows_of(path: str, rows: list[Any], what: str) -> list[dict[str, Any]]:
+  for index, row in enumerate(rows):
+    if not isinstance(row, dict):
+      raise DatasetError(f"dataset {path!r}: {what(index)} is {type(row).__name__} "
+                         f"{str(row)[:80]!r}; expected an object {{\"column\": value, ...}}")
+  columns = list(dict.fromkeys(name for row in rows for name in row))
+  # As pyarrow reads JSON Lines: every row has every column, None where it had none.
+  return [{name: row.get(name) for name in columns} for row in rows]
+
+
 def _read_json_array(path: str) -> list[dict[str, Any]]:
   """A .json file holding one array of row objects (``json.dump(rows, f)``)."""
   with open(path, encoding="utf-8") as f:
@@ -87,14 +97,24 @@ def _read_json_array(path: str) -> list[dict[str, Any]]:
     except json.JSONDecodeError as error:
       raise DatasetError(f"dataset {path!r} is not valid JSON: {error} (a .json dataset is "
                          "one array of row objects, or JSON Lines: one object per line)") from None
-  for index, row in enumerate(rows):
-    if not isinstance(row, dict):
-      raise DatasetError(f"dataset {path!r}: row {index} (counting from 0) is "
-                         f"{type(row).__name__} {str(row)[:80]!r}; expected an object "
-                         '{"column": value, ...}')
-  columns = list(dict.fromkeys(name for row in rows for name in row))
-  # As pyarrow reads JSON Lines: every row has every column, None where it had none.
-  return [{name: row.get(name) for name in columns} for row in rows]
+  return _rows_of(path, rows, lambda index: f"row {index} (counting from 0)")
+
+
+def _read_json_rows(path: str) -> list[dict[str, Any]]:
+  """JSON Lines parsed row by row: what pyarrow refuses to put in one typed column
+  (an answer column of texts and lists of texts) is kept as each row has it."""
+  rows, lines = [], []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError as error:
+        raise DatasetError(f"dataset {path!r} line {number} is not valid JSON ({error}): JSON "
+                           "Lines needs one JSON object per line") from None
+      lines.append(number)
+  return _rows_of(path, rows, lambda index: f"line {lines[index]}")
 
 
 def read_table(path: str | os.PathLike):
@@ -128,8 +148,14 @@ def read_records(path: str | os.PathLike, *, required: Sequence[str] = ()) -> li
     records = _read_json_array(path)
     columns = list(records[0]) if records else []
   else:
-    table = read_table(path)
-    records, columns = table.to_pylist(), table.column_names
+    try:
+      table = read_table(path)
+      records, columns = table.to_pylist(), table.column_names
+    except DatasetError:
+      if not (path.endswith((".jsonl", ".json")) and os.path.isfile(path)):
+        raise
+      records = _read_json_rows(path)  # raises naming the line when pyarrow was right
+      columns = list(records[0]) if records else []
   if not records:
     raise DatasetError(f"dataset {path!r} is empty: it has no rows (JSON Lines needs one "
                        "JSON object per line)")

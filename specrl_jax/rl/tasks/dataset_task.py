@@ -41,8 +41,10 @@ def _is_conversation(value) -> bool:
                   and isinstance(m.get("content"), str) for m in value))
 
 
-# Scored samples kept for the run's log (the metrics JSONL and TensorBoard text).
+# Scored samples kept for the run's log (the metrics JSONL and TensorBoard text), and
+# how many scored samples wait to be chosen from at most (a bound when nobody takes them).
 SAMPLES_KEPT = 4
+PENDING_SAMPLES = 1 << 14
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -98,7 +100,8 @@ class DatasetTask(Task):
                        answer_field=self.answer_field, reward_name=self.reward_name,
                        reward_spec=self.reward_spec)
     object.__setattr__(self, "_scorer", scorer)
-    object.__setattr__(self, "_recent", collections.deque(maxlen=SAMPLES_KEPT))
+    # (row, sample) of the samples scored for training, until a step's log takes them.
+    object.__setattr__(self, "_recent", collections.deque(maxlen=PENDING_SAMPLES))
     object.__setattr__(self, "_recent_lock", threading.Lock())
     pool = None
     if self.workers:
@@ -181,20 +184,37 @@ class DatasetTask(Task):
     return rewards
 
   def _keep_samples(self, samples, rewards) -> None:
-    with self._recent_lock:  # in sample order: the log does not depend on thread timing
-      for (completion, targets), value in zip(samples, rewards):
-        prompt = self.records[int(targets["index"])][self.prompt_field]
-        self._recent.append({"prompt": prompt if isinstance(prompt, str)
-                             else prompt[-1]["content"],
-                             "completion": completion, "reward": float(value)})
-
-  def take_samples(self) -> list[dict[str, Any]]:
-    """The last few (prompt, completion, reward) of the batches scored for training
-    since the previous call, in sample order."""
     with self._recent_lock:
-      samples = list(self._recent)
+      for (completion, targets), value in zip(samples, rewards):
+        row = int(targets["index"])
+        prompt = self.records[row][self.prompt_field]
+        self._recent.append((row, {"prompt": prompt if isinstance(prompt, str)
+                                   else prompt[-1]["content"],
+                                   "completion": completion, "reward": float(value)}))
+
+  def take_samples(self, rows: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """A few (prompt, completion, reward) scored for training since the previous call.
+
+    rows: the step's rows in step order: then the first ``SAMPLES_KEPT`` samples of
+    those rows in sample order (by the row's place in the step, then the group's
+    order), whatever order the rollout shards' reward calls ran in, and the samples
+    of other rows (a batch scored ahead, async) stay for their own step. None: the
+    last ``SAMPLES_KEPT`` scored.
+    """
+    with self._recent_lock:
+      if rows is None:
+        kept = [sample for _, sample in list(self._recent)[-SAMPLES_KEPT:]]
+        self._recent.clear()
+        return kept
+      place = {}
+      for position, row in enumerate(rows):
+        place.setdefault(int(row), position)
+      mine = [(place[row], order, sample) for order, (row, sample) in enumerate(self._recent)
+              if row in place]
+      others = [(row, sample) for row, sample in self._recent if row not in place]
       self._recent.clear()
-    return samples
+      self._recent.extend(others)
+    return [sample for *_, sample in sorted(mine, key=lambda m: m[:2])[:SAMPLES_KEPT]]
 
   def score_texts(self, indices: Sequence[int], completions: Sequence[str]) -> list[float]:
     """Rewards of completions to rows (for evaluation; not kept as samples)."""
