@@ -60,8 +60,9 @@ class RowReport:
                    f"{max(lengths)} tokens): raise it to {need} or shorten them")
     if len(lengths) < len(self.bad):
       fixes.append("fix or remove the other rows" if lengths else "fix or remove these rows")
+    fix = "; ".join(fixes)
     return (f"dataset {self.source!r}: {len(self.bad)} of {self.num_rows} rows cannot be used "
-            f"(rows count from 0): {shown}{more}. {'; '.join(fixes)}")
+            f"(rows count from 0): {shown}{more}. {fix[:1].upper()}{fix[1:]}")
 
 
 def row_problem(task: DatasetTask, index: int) -> BadRow | None:
