@@ -127,6 +127,29 @@ def test_a_dataset_whose_every_row_is_too_long_names_the_file_field_and_limit(tm
                                                                       log=lambda _: None)
 
 
+def test_unusable_held_out_rows_are_reported_naming_the_held_out_file(tmp_path):
+  train = _write(tmp_path / "train.jsonl", _rows(4))
+  held = _write(tmp_path / "held.jsonl", [{"prompt": "what is 1+1?", "answer": None}] + _rows(2))
+  with pytest.raises(BadRowsError, match=r"held.jsonl': 1 of 3 rows cannot be used.*row 0: its "
+                     "answer"):
+    _section(train, eval_path=held).make(TOKENIZER)
+  logged = []
+  _, held_task = _section(train, eval_path=held, on_bad_rows="skip").make(
+      TOKENIZER, log=logged.append)
+  assert len(held_task.records) == 2 and "held.jsonl" in logged[0]
+
+
+def test_the_data_options_are_command_line_flags_checked_before_any_work():
+  config = experiment_config("dataset", ["--data.on_bad_rows=skip", "--data.reward_workers=2",
+                                         "--data.reward_memory_mb=256"])
+  assert (config.data.on_bad_rows, config.data.workers, config.data.reward_memory_mb) == (
+      "skip", 2, 256)
+  with pytest.raises(ConfigError, match=r"on_bad_rows='drop' is invalid.*\('error', 'skip'\)"):
+    experiment_config("dataset", ["--data.on_bad_rows=drop"])
+  with pytest.raises(ConfigError, match="reward_workers=-1 is invalid"):
+    experiment_config("dataset", ["--data.reward_workers=-1"])
+
+
 def test_a_null_sft_solution_is_an_unusable_row_never_the_text_none(tmp_path):
   rows = [{**r, "solution": f"{r['answer']}"} for r in _rows(3)]
   rows[1]["solution"] = None
