@@ -90,7 +90,7 @@ def _policy_and_task(path: str, overrides: list[str], split: str):
     manager.close()
   graphdef = nnx.split(models.policy)[0]
   step = int(jax.device_get(state.step))
-  model = nnx.merge(graphdef, jax.device_get(state.params))
+  model = nnx.merge(graphdef, jax.device_get(state.compute_params()))  # LoRA: merged
   return model, task, step, config.data.correct_threshold
 
 

@@ -83,7 +83,8 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
   # One process's evaluation: the weights of a multi-process mesh are not all here.
   if (held_out is not None and every and (step + 1) % every == 0
       and jax.process_count() == 1):
-    model = nnx.merge(graphdef, jax.device_get(state.params))
+    # The weights the rollouts sample with: a LoRA state's base merged with its adapters.
+    model = nnx.merge(graphdef, jax.device_get(state.compute_params()))
     result = evaluate(model, held_out, k=config.data.eval_k,
                       temperature=config.rl.temperature, seed=step,
                       threshold=config.data.correct_threshold,

@@ -49,7 +49,13 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any],
                 ) -> list[str]:
   """"field: old -> new" for every field that differs (and is not under ``ignore``);
   a field ``old`` lacks (recorded before it existed) reads as its value in ``defaults``."""
-  old, new = {**flatten(defaults or {}), **flatten(old)}, flatten(new)
+  recorded, new = flatten(old), flatten(new)
+  # A default of None for an optional section (learner.lora) is not a field the record
+  # lacks when the record holds that section's fields (learner.lora.rank), nor the
+  # other way round.
+  filled = {name: value for name, value in flatten(defaults or {}).items()
+            if not _overlaps(name, recorded)}
+  old = {**filled, **recorded}
   lines = []
   for name in sorted(set(old) | set(new)):
     if any(name == i or (i.endswith(".") and name.startswith(i)) for i in ignore):
@@ -57,6 +63,12 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any],
     if old.get(name, "<absent>") != new.get(name, "<absent>"):
       lines.append(f"{name}: {old.get(name, '<absent>')!r} -> {new.get(name, '<absent>')!r}")
   return lines
+
+
+def _overlaps(name: str, flat: Mapping[str, Any]) -> bool:
+  """Whether ``flat`` holds ``name``, a field inside it, or a section holding it."""
+  return name in flat or any(other.startswith(f"{name}.") or name.startswith(f"{other}.")
+                             for other in flat)
 
 
 def write_json(path: str, record: Mapping[str, Any]) -> None:
