@@ -174,14 +174,10 @@ class Session:
     abstract = self._abstract_state(models, online, checkpoint_mesh)
     first_bad = jax.jit(numerics.first_nonfinite_leaf)
     for step in reversed(manager.all_steps()):
-      try:
-        state, in_flight = manager.restore_with_in_flight(abstract, step=step)
-      except Exception as error:  # orbax raises whatever its reader hit
-        raise ConfigError(
-            f"checkpoint step {step} in {manager.directory} does not fit this "
-            f"configuration's train state ({type(error).__name__}: {str(error)[:300]}); "
-            "resume with the configuration that wrote it, or --output.resume=false."
-        ) from error
+      restored = self.restore_step(manager, abstract, step)
+      if restored is None:
+        continue
+      state, in_flight = restored
       bad = int(distributed.fetch(first_bad(state)))
       if bad < 0:
         break
@@ -199,6 +195,29 @@ class Session:
                "older version): they are generated anew from its weights, so this run "
                "departs from an uninterrupted one")
     return state, in_flight
+
+  def restore_step(self, manager, abstract, step: int):
+    """(state, in_flight) of checkpoint ``step``; None when its files are damaged (it
+    is set aside with a warning, so the one before is tried). Raises ConfigError for
+    a checkpoint that does not fit this configuration's train state."""
+    try:
+      return manager.restore_with_in_flight(abstract, step=step)
+    except Exception as error:  # orbax raises whatever its reader hit
+      failure = f"{type(error).__name__}: {str(error)[:300]}"
+      try:
+        mismatch = manager.layout_mismatch(abstract, step)
+      except checkpoint.CheckpointDamagedError as damage:
+        mismatch, failure = None, str(damage)
+      if mismatch is not None:
+        raise ConfigError(
+            f"checkpoint step {step} in {manager.directory} does not fit this "
+            f"configuration's train state ({mismatch}; {failure}); resume with the "
+            "configuration that wrote it, or --output.resume=false.") from error
+    moved = manager.set_aside(step)
+    self.log(f"warning: checkpoint step {step} in {manager.directory} is damaged (its "
+             f"arrays fit this configuration but cannot be read back: {failure[:200]}): "
+             f"moved to {moved}, resuming from the checkpoint before it")
+    return None
 
   # ------------------------------------------------------------ training
 
