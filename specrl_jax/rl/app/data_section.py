@@ -12,7 +12,7 @@ import dataclasses
 from specrl_jax.config import (check, check_finite_number, check_non_negative_int,
                                check_positive_int, is_finite_number, is_integer)
 from specrl_jax.models.text_tokenizer import TextTokenizer
-from specrl_jax.rl.tasks.dataset import read_records, split_records
+from specrl_jax.rl.tasks.dataset import read_records, split_at, split_records
 from specrl_jax.rl.tasks.dataset_task import DatasetTask
 from specrl_jax.rl.tasks.rewards import resolve_reward
 
@@ -30,6 +30,8 @@ class DataSection:
   reward: built-in name, module:function or file.py:function (see rl.tasks.rewards);
   reward_timeout: seconds per call; reward_threads: calls at once; a sample is
   correct for pass@k when its reward is >= correct_threshold.
+  allow_changed_dataset: resume although the dataset's rows changed since the run
+  began (``rl.app.data_fingerprint``), the rows held out so far kept held out.
   """
   path: str = ""
   prompt_field: str = "prompt"
@@ -49,9 +51,12 @@ class DataSection:
   max_prompt_tokens: int = 512
   max_response_tokens: int = 256
   seed: int = 0
+  allow_changed_dataset: bool = False
 
   def __post_init__(self):
     owner = "DataSection"
+    check(isinstance(self.allow_changed_dataset, bool), owner, "allow_changed_dataset",
+          self.allow_changed_dataset, "True or False")
     for name in ("path", "prompt_field", "answer_field", "system_field", "system_prompt",
                  "solution_field", "eval_path", "reward"):
       check(isinstance(getattr(self, name), str), owner, name, getattr(self, name), "a string")
@@ -76,14 +81,19 @@ class DataSection:
   def has_eval(self) -> bool:
     return bool(self.eval_path) or self.eval_fraction > 0
 
-  def make(self, text_tokenizer: TextTokenizer) -> tuple[DatasetTask, DatasetTask | None]:
-    """(training task, held-out task or None) over the dataset's rows."""
+  def make(self, text_tokenizer: TextTokenizer, held_out_rows: set[int] | None = None
+           ) -> tuple[DatasetTask, DatasetTask | None]:
+    """(training task, held-out task or None) over the dataset's rows; held_out_rows:
+    the row numbers of path to hold out instead of drawing eval_fraction of them (a
+    resumed run's, on a dataset that changed)."""
     required = [self.prompt_field, self.answer_field] + [
         name for name in (self.system_field, self.solution_field) if name]
     records = read_records(self.path, required=required)
     held_out = None
     if self.eval_path:
       held_out = read_records(self.eval_path, required=required)
+    elif self.eval_fraction > 0 and held_out_rows is not None:
+      records, held_out = split_at(records, held_out_rows)
     elif self.eval_fraction > 0:
       records, held_out = split_records(records, eval_fraction=self.eval_fraction,
                                         seed=self.seed)

@@ -30,7 +30,8 @@ WARM_START_KEY = "key.json"
 # would continue one experiment's state under another's settings.
 RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices",
              "learner.remat", "learner.num_micro_batches", "output.",
-             "data.eval_every", "data.eval_k", "data.eval_max_prompts")
+             "data.eval_every", "data.eval_k", "data.eval_max_prompts",
+             "data.allow_changed_dataset")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -118,7 +119,8 @@ def warm_start_key(config: Mapping[str, Any]) -> dict[str, Any]:
   key = {"policy": config["policy"], "task": config["task"],
          "warm_start": config["warm_start"], "drafter_kind": drafter["kind"]}
   if config.get("data", {}).get("path"):  # SFT reads the dataset's solutions
-    key["data"] = config["data"]
+    key["data"] = {name: value for name, value in config["data"].items()
+                   if name != "allow_changed_dataset"}  # how a resume may go on, not data
   if drafter["kind"] == "draft_model":
     key["draft_model"] = drafter["model"]
   return key

@@ -77,38 +77,46 @@ def _publish(path: str, record: dict[str, Any], *, replace: bool) -> bool:
       os.link(temporary, path)  # atomic, and fails if a lock is there
     except FileExistsError:
       return False
+    except OSError:  # no hard links on this file system (some network ones)
+      return _create_exclusive(path, record)
     return True
   finally:
     with contextlib.suppress(FileNotFoundError):
       os.unlink(temporary)
 
 
+def _create_exclusive(path: str, record: dict[str, Any]) -> bool:
+  try:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+  except FileExistsError:
+    return False
+  with os.fdopen(descriptor, "w") as file:
+    json.dump(record, file)
+  return True
+
+
 def acquire(directory: str, *, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Takes the lock of ``directory`` (created if needed); its record. Raises
-  RunDirectoryLockedError naming the holder if a live run holds it, ConfigError if the
+  RunDirectoryLockedError naming the holder if a live run holds it, OSError if the
   directory cannot be written."""
   path = os.path.join(directory, LOCK)
   mine = _holder_record()
-  try:
-    os.makedirs(directory, exist_ok=True)
-    if _publish(path, mine, replace=False):
-      return mine
-    holder = _read(path)
-    here = holder is not None and holder.get("host") == mine["host"]
-    if holder is None or not here or _alive(holder.get("pid")):
-      raise RunDirectoryLockedError(
-          f"the run directory {directory} is in use by another `specrl train` "
-          f"({_describe(holder)}; lock file {path}): wait for it to end, or give another "
-          "--output.directory; if that run is dead (on another host, or the lock "
-          "is unreadable), delete the lock file")
-    log(f"warning: {path} was left by a run that is gone ({_describe(holder)}): taking "
-        "the lock over")
-    _publish(path, mine, replace=True)
-  except OSError as error:
-    raise ConfigError(
-        f"OutputSection.directory={directory!r} cannot be written "
-        f"({type(error).__name__}: {error.strerror or error}): give a writable "
-        "--output.directory") from error
+  # The file system's errors (read-only, full) go up as they are: the command names the
+  # path and the fix.
+  os.makedirs(directory, exist_ok=True)
+  if _publish(path, mine, replace=False):
+    return mine
+  holder = _read(path)
+  here = holder is not None and holder.get("host") == mine["host"]
+  if holder is None or not here or _alive(holder.get("pid")):
+    raise RunDirectoryLockedError(
+        f"the run directory {directory} is in use by another `specrl train` "
+        f"({_describe(holder)}; lock file {path}): wait for it to end, or give another "
+        "--output.directory; if that run is dead (on another host, or the lock "
+        "is unreadable), delete the lock file")
+  log(f"warning: {path} was left by a run that is gone ({_describe(holder)}): taking "
+      "the lock over")
+  _publish(path, mine, replace=True)
   if _read(path) != mine:  # another run took it over at the same moment
     raise RunDirectoryLockedError(
         f"the run directory {directory} was just taken by another `specrl train` "

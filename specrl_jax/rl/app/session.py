@@ -19,7 +19,7 @@ from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
-from specrl_jax.rl.app import run_data, run_directory
+from specrl_jax.rl.app import data_fingerprint, run_data, run_directory
 from specrl_jax.rl.app.experiment import ExperimentConfig, to_dict
 from specrl_jax.rl.app.guards import CollapseDetector, check_step
 from specrl_jax.rl.app.meshes import check_layout, checkpoint_mesh, run_meshes
@@ -43,9 +43,13 @@ class Session:
                log: Callable[[str], None] = print):
     self.config = config
     self.log = log
+    self.policy_positions = run_data.policy_positions(config)  # checks the folder first
     # The policy's own tokenizer drives prompts, stop tokens and decoding.
     self.text_tokenizer = run_data.policy_tokenizer(config)
-    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task)
+    self.fingerprint = run_data.data_fingerprint(
+        config, task, config.output.resume and bool(self.checkpoint_steps()), log)
+    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task,
+                                                   self.fingerprint)
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
@@ -97,6 +101,7 @@ class Session:
                         "directory (or a path to create one at), not a file.")
     check_layout(self.config.rl, *self.meshes())
     run_data.check_data(self.config)
+    run_data.check_lengths(self.config, self.task, self.prompt_set, self.policy_positions)
     self.check_resumable()
 
   def _fresh_models(self) -> Models:
@@ -240,6 +245,8 @@ class Session:
       raise
     if distributed.is_primary():  # only now: the state it describes exists, restored or new
       run_directory.write_json(os.path.join(self.directory, run_directory.CONFIG), self.record)
+      if self.fingerprint is not None:
+        data_fingerprint.write(self.directory, self.fingerprint)
     start = int(distributed.fetch(state.step))  # the train mesh may be on other processes
     outputs = open_run_outputs(self.config, manager, start, primary=distributed.is_primary())
     try:

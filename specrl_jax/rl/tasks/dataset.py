@@ -91,13 +91,23 @@ def split_records(records: Sequence[dict[str, Any]], *, eval_fraction: float, se
   ``seed``, are held out (at least one when the fraction is > 0, never all)."""
   check(is_finite_number(eval_fraction) and 0 <= eval_fraction < 1, "split_records",
         "eval_fraction", eval_fraction, "a fraction in [0, 1)")
-  count = int(round(eval_fraction * len(records)))
+  return split_at(records, held_out_rows(len(records), eval_fraction=eval_fraction, seed=seed))
+
+
+def held_out_rows(num_rows: int, *, eval_fraction: float, seed: int) -> set[int]:
+  """The row numbers ``split_records`` holds out of ``num_rows`` rows."""
+  count = int(round(eval_fraction * num_rows))
   if eval_fraction > 0:
     count = max(1, count)
-  if count >= len(records):
-    raise DatasetError(f"eval_fraction={eval_fraction} holds out all {len(records)} rows; "
+  if count >= num_rows:
+    raise DatasetError(f"eval_fraction={eval_fraction} holds out all {num_rows} rows; "
                        "lower it or give the held-out rows as a separate file")
-  order = np.random.default_rng([seed, 0x5E1]).permutation(len(records))
-  held = set(order[:count].tolist())
+  order = np.random.default_rng([seed, 0x5E1]).permutation(num_rows)
+  return set(order[:count].tolist())
+
+
+def split_at(records: Sequence[dict[str, Any]], held: set[int]
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+  """(the rows not in ``held``, the rows in it), each in file order."""
   return ([r for i, r in enumerate(records) if i not in held],
           [r for i, r in enumerate(records) if i in held])
