@@ -42,6 +42,8 @@ class DataSection:
   correct_threshold. on_bad_rows: rows that cannot be used (``rl.tasks.row_checks``)
   are an error naming them ("error"), or are reported and left out ("skip"; the
   metric data_skipped_rows counts them).
+  allow_changed_dataset: resume although the dataset's rows changed since the run
+  began (``rl.app.data_fingerprint``), the rows held out so far kept held out.
   """
   path: str = ""
   prompt_field: str = "prompt"
@@ -64,9 +66,12 @@ class DataSection:
   max_prompt_tokens: int = 512
   max_response_tokens: int = 256
   seed: int = 0
+  allow_changed_dataset: bool = False
 
   def __post_init__(self):
     owner = "DataSection"
+    check(isinstance(self.allow_changed_dataset, bool), owner, "allow_changed_dataset",
+          self.allow_changed_dataset, "True or False")
     for name in ("path", "prompt_field", "answer_field", "system_field", "system_prompt",
                  "solution_field", "eval_path", "reward"):
       check(isinstance(getattr(self, name), str), owner, name, getattr(self, name), "a string")
@@ -106,12 +111,14 @@ class DataSection:
       return self.reward_workers
     return self.reward_threads if self.reward in WORKER_REWARDS else 0
 
-  def make(self, text_tokenizer: TextTokenizer, log: Callable[[str], None] = print
-           ) -> tuple[DatasetTask, DatasetTask | None]:
+  def make(self, text_tokenizer: TextTokenizer, log: Callable[[str], None] = print,
+           held_out_rows: set[int] | None = None) -> tuple[DatasetTask, DatasetTask | None]:
     """(training task, held-out task or None) over the dataset's usable rows: the
     unusable ones are refused, or reported with ``log`` and left out (on_bad_rows).
     The held-out split is drawn over all of the file's rows, so skipping a row never
-    moves another between training and evaluation."""
+    moves another between training and evaluation; held_out_rows: the row numbers to
+    hold out instead of drawing eval_fraction of them (a resumed run's, on a dataset
+    that changed)."""
     required = [self.prompt_field, self.answer_field] + [
         name for name in (self.system_field, self.solution_field) if name]
     fn, name = resolve_reward(self.reward)  # a module that fails to import: before any work
@@ -125,7 +132,7 @@ class DataSection:
       held_rows = range(len(held.records))
     elif self.eval_fraction > 0:
       train_rows, held_rows = split_indices(len(records), eval_fraction=self.eval_fraction,
-                                            seed=self.seed)
+                                            seed=self.seed, held_out=held_out_rows)
       held = task
     bad = [report for report in reports if report.bad]
     if bad and self.on_bad_rows == "error":

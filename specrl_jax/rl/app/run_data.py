@@ -14,7 +14,10 @@ from flax import nnx
 from specrl_jax.config import ConfigError
 from specrl_jax.models import tokenizer
 from specrl_jax.models.text_tokenizer import TextTokenizer
+from specrl_jax.models.hf import read_hf_model_config
 from specrl_jax.rl.app import run_directory
+from specrl_jax.rl.app.data_fingerprint import Fingerprint
+from specrl_jax.rl.app.data_fingerprint import recorded as data_fingerprint_record
 from specrl_jax.rl.loop.evaluation import evaluate
 from specrl_jax.rl.app.experiment import ExperimentConfig
 from specrl_jax.parallel import distributed
@@ -43,15 +46,53 @@ def policy_tokenizer(config: ExperimentConfig) -> TextTokenizer:
   return text_tokenizer
 
 
+def policy_positions(config: ExperimentConfig) -> int:
+  """The policy's max_position_embeddings; its Hugging Face folder (config.json, the
+  weights' headers, the architecture) is checked now, before any work."""
+  if not config.policy.path:
+    return config.policy.model_config().max_position_embeddings
+  return read_hf_model_config(config.policy.path).max_position_embeddings
+
+
+def data_fingerprint(config: ExperimentConfig, task: Task | None, resuming: bool,
+                     log: Callable[[str], None]) -> Fingerprint | None:
+  """The fingerprint of the dataset the run reads (None: a given or built-in task),
+  checked against the run directory's when ``resuming``."""
+  if task is not None or not config.data.path:
+    return None
+  fingerprint = Fingerprint(config.data)
+  recorded = data_fingerprint_record(config.output.directory)
+  if resuming and recorded is not None:
+    fingerprint.resume(recorded, log)
+  return fingerprint
+
+
+def check_lengths(config: ExperimentConfig, task: Task, prompt_set: PromptSet,
+                  positions: int) -> None:
+  """Refuses prompts plus responses longer than the policy has positions for."""
+  longest = max((len(p) for p in prompt_set.prompts), default=0)
+  response = task.max_response_tokens
+  if longest + response > positions:
+    where = f"{config.policy.path}/config.json" if config.policy.path else "the policy section"
+    raise ConfigError(
+        f"the longest prompt ({longest} tokens) plus {response} response tokens is "
+        f"{longest + response} positions, past the policy's max_position_embeddings="
+        f"{positions} ({where}): lower --data.max_response_tokens to at most "
+        f"{max(positions - longest, 0)}, or --data.max_prompt_tokens")
+
+
 def run_tasks(config: ExperimentConfig, text_tokenizer: TextTokenizer, task: Task | None,
-              log: Callable[[str], None] = _log) -> tuple[Task, DatasetTask | None]:
+              log: Callable[[str], None] = _log, fingerprint: Fingerprint | None = None
+              ) -> tuple[Task, DatasetTask | None]:
   """(training task, held-out task or None): ``task`` when given, else the dataset's
-  (``data.path``, its unusable rows refused or reported: ``data.on_bad_rows``), else
-  the built-in ``task`` section's; checked against the policy's tokenizer. A dataset
-  task given directly must have no unusable row (nothing is dropped unreported)."""
+  (``data.path``, its unusable rows refused or reported: ``data.on_bad_rows``; held out
+  as ``fingerprint`` says), else the built-in ``task`` section's; checked against the
+  policy's tokenizer. A dataset task given directly must have no unusable row (nothing
+  is dropped unreported)."""
   held_out = None
   if task is None and config.data.path:
-    task, held_out = config.data.make(text_tokenizer, log=log)
+    task, held_out = config.data.make(
+        text_tokenizer, log=log, held_out_rows=fingerprint.held_out if fingerprint else None)
   elif isinstance(task, DatasetTask):
     report = check_rows(task, source="the task's records")
     if report.bad:
@@ -103,7 +144,8 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
   # One process's evaluation: the weights of a multi-process mesh are not all here.
   if (held_out is not None and every and (step + 1) % every == 0
       and jax.process_count() == 1):
-    model = nnx.merge(graphdef, jax.device_get(state.params))
+    # The weights the rollouts sample with: a LoRA state's base merged with its adapters.
+    model = nnx.merge(graphdef, jax.device_get(state.compute_params()))
     result = evaluate(model, held_out, k=config.data.eval_k,
                       temperature=config.rl.temperature, seed=step,
                       threshold=config.data.correct_threshold,

@@ -166,19 +166,14 @@ def read_records(path: str | os.PathLike, *, required: Sequence[str] = ()) -> li
   return records
 
 
-def split_indices(num_rows: int, *, eval_fraction: float, seed: int
-                  ) -> tuple[list[int], list[int]]:
-  """(train rows, held-out rows) of ``split_records``, as row numbers."""
+def split_indices(num_rows: int, *, eval_fraction: float, seed: int,
+                  held_out: set[int] | None = None) -> tuple[list[int], list[int]]:
+  """(train rows, held-out rows) of ``split_records``, as row numbers; ``held_out``: these
+  rows instead of drawing them (a resumed run's, on a dataset that changed)."""
   check(is_finite_number(eval_fraction) and 0 <= eval_fraction < 1, "split_records",
         "eval_fraction", eval_fraction, "a fraction in [0, 1)")
-  count = int(round(eval_fraction * num_rows))
-  if eval_fraction > 0:
-    count = max(1, count)
-  if count >= num_rows:
-    raise DatasetError(f"eval_fraction={eval_fraction} holds out all {num_rows} rows; "
-                       "lower it or give the held-out rows as a separate file")
-  order = np.random.default_rng([seed, 0x5E1]).permutation(num_rows)
-  held = set(order[:count].tolist())
+  held = (held_out_rows(num_rows, eval_fraction=eval_fraction, seed=seed)
+          if held_out is None else held_out)
   return ([i for i in range(num_rows) if i not in held], [i for i in range(num_rows) if i in held])
 
 
@@ -188,3 +183,15 @@ def split_records(records: Sequence[dict[str, Any]], *, eval_fraction: float, se
   ``seed``, are held out (at least one when the fraction is > 0, never all)."""
   train, held = split_indices(len(records), eval_fraction=eval_fraction, seed=seed)
   return [records[i] for i in train], [records[i] for i in held]
+
+
+def held_out_rows(num_rows: int, *, eval_fraction: float, seed: int) -> set[int]:
+  """The row numbers ``split_records`` holds out of ``num_rows`` rows."""
+  count = int(round(eval_fraction * num_rows))
+  if eval_fraction > 0:
+    count = max(1, count)
+  if count >= num_rows:
+    raise DatasetError(f"eval_fraction={eval_fraction} holds out all {num_rows} rows; "
+                       "lower it or give the held-out rows as a separate file")
+  order = np.random.default_rng([seed, 0x5E1]).permutation(num_rows)
+  return set(order[:count].tolist())
