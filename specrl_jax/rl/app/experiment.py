@@ -21,6 +21,7 @@ from specrl_jax.rl.app import drafter_registry
 from specrl_jax.rl.app.data_section import DataSection
 from specrl_jax.rl.loop.learner import LearnerConfig
 from specrl_jax.rl.algo.losses import GRPOConfig
+from specrl_jax.rl.app import run_directory
 from specrl_jax.rl.app.overrides import apply_overrides, from_dict_of, to_dict  # noqa: F401
 from specrl_jax.rl.loop.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
@@ -339,5 +340,5 @@ def experiment_config(preset: str = "demo", overrides: Sequence[str] = ()) -> Ex
 
 
 def from_dict(record: dict[str, Any]) -> ExperimentConfig:
-  """The experiment config a run recorded (``to_dict``)."""
-  return from_dict_of(ExperimentConfig, record)
+  """The experiment config a run recorded (``to_dict``), retired fields replaced."""
+  return from_dict_of(ExperimentConfig, run_directory.upgrade_record(record))
