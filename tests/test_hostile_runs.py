@@ -200,20 +200,20 @@ def test_a_second_run_on_a_locked_directory_is_refused_naming_the_holder(rows_fi
   assert not (directory / "config.json").exists()
 
 
-def test_a_stale_lock_of_a_killed_run_is_taken_over_with_a_warning(rows_file, tmp_path,
-                                                                   capsys):
+def test_a_stale_lock_of_a_killed_run_is_taken_over_with_a_warning(lora_run, rows_file,
+                                                                   tmp_path, capsys):
   directory = tmp_path / "run"
-  directory.mkdir()
+  shutil.copytree(lora_run["directory"], directory)
   gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                         capture_output=True, text=True, check=True)
+  pid = int(gone.stdout)  # a process that has ended, as a killed run's
   (directory / run_lock.LOCK).write_text(json.dumps(
-      {"pid": int(gone.stdout), "host": socket.gethostname(), "started": "earlier"}))
-  # Refused later for another reason, so that the run stops right after the lock.
-  _refused(capsys, "train", _argv(rows_file, directory, "--data.max_response_tokens=600"),
-           "max_position_embeddings=512")
-  assert (f"{directory / run_lock.LOCK} was left by a run that is gone (pid "
-          f"{int(gone.stdout)}") in _refused.out, _refused.out
-  assert "taking the lock over" in _refused.out
+      {"pid": pid, "host": socket.gethostname(), "started": "2026-01-01 00:00:00 UTC"}))
+  capsys.readouterr()
+  assert train_command.main(_argv(rows_file, directory, *LORA)) == 0
+  out = capsys.readouterr().out
+  assert f"{directory / run_lock.LOCK} was left by a run that is gone (pid {pid}" in out, out
+  assert "taking the lock over" in out and "resumed from checkpoint step 2" in out
   assert not (directory / run_lock.LOCK).exists()  # released when the run ended
 
 
