@@ -20,7 +20,15 @@ from specrl_jax.rl.app.data_fingerprint import Fingerprint
 from specrl_jax.rl.app.data_fingerprint import recorded as data_fingerprint_record
 from specrl_jax.rl.loop.evaluation import evaluate
 from specrl_jax.rl.app.experiment import ExperimentConfig
+from specrl_jax.parallel import distributed
 from specrl_jax.rl.tasks import DatasetTask, PromptSet, Task
+from specrl_jax.rl.tasks.python_reward import take_failures
+from specrl_jax.rl.tasks.row_checks import check_rows, refuse
+
+
+def _log(message: str) -> None:
+  if distributed.is_primary():
+    print(message, flush=True)
 
 
 def policy_tokenizer(config: ExperimentConfig) -> TextTokenizer:
@@ -74,14 +82,21 @@ def check_lengths(config: ExperimentConfig, task: Task, prompt_set: PromptSet,
 
 
 def run_tasks(config: ExperimentConfig, text_tokenizer: TextTokenizer, task: Task | None,
-              fingerprint: Fingerprint | None = None) -> tuple[Task, DatasetTask | None]:
+              log: Callable[[str], None] = _log, fingerprint: Fingerprint | None = None
+              ) -> tuple[Task, DatasetTask | None]:
   """(training task, held-out task or None): ``task`` when given, else the dataset's
-  (``data.path``; held out as ``fingerprint`` says), else the built-in ``task``
-  section's; checked against the policy's tokenizer."""
+  (``data.path``, its unusable rows refused or reported: ``data.on_bad_rows``; held out
+  as ``fingerprint`` says), else the built-in ``task`` section's; checked against the
+  policy's tokenizer. A dataset task given directly must have no unusable row (nothing
+  is dropped unreported)."""
   held_out = None
   if task is None and config.data.path:
     task, held_out = config.data.make(
-        text_tokenizer, held_out_rows=fingerprint.held_out if fingerprint else None)
+        text_tokenizer, log=log, held_out_rows=fingerprint.held_out if fingerprint else None)
+  elif isinstance(task, DatasetTask):
+    report = check_rows(task, source="the task's records")
+    if report.bad:
+      raise refuse(report)
   task = task if task is not None else config.task.make()
   task.check_tokenizer(text_tokenizer)
   return task, held_out
@@ -113,11 +128,18 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
   """The data records of step ``step`` for its metrics line: ``data`` (position),
   ``samples`` (a few scored ones, dataset tasks) and, every ``data.eval_every``
   steps, the held-out split's ``eval_*`` metrics under the updated policy."""
-  records: dict[str, Any] = {
-      "data": data_position(prompt_set, indices, step, config.rl.prompts_per_step)}
-  samples = task.take_samples() if isinstance(task, DatasetTask) else []
+  position = data_position(prompt_set, indices, step, config.rl.prompts_per_step)
+  records: dict[str, Any] = {"data": position}
+  samples = task.take_samples(position["rows"]) if isinstance(task, DatasetTask) else []
   if samples:
     records["samples"] = samples
+  if isinstance(task, DatasetTask) and task.skipped_rows:
+    records["data_skipped_rows"] = task.skipped_rows
+  failures = take_failures()  # samples scored 0 because their worker timed out or died
+  for line in failures:
+    _log(f"warning: step {step}: {line}")
+  if failures or (isinstance(task, DatasetTask) and task.workers):
+    records["reward_failures"] = len(failures)
   every = config.data.eval_every
   # One process's evaluation: the weights of a multi-process mesh are not all here.
   if (held_out is not None and every and (step + 1) % every == 0

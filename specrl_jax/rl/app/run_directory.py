@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from specrl_jax.config import ConfigError
+from specrl_jax.rl.app import drafter_registry
 
 CONFIG = "config.json"
 WARM_START_KEY = "key.json"
@@ -115,14 +116,14 @@ def check_resumable(directory: str, checkpoint_steps: list[int],
 
 def warm_start_key(config: Mapping[str, Any]) -> dict[str, Any]:
   """The part of an experiment config (as a dict) that determines its warm start."""
-  drafter = dict(config["drafter"])
   key = {"policy": config["policy"], "task": config["task"],
-         "warm_start": config["warm_start"], "drafter_kind": drafter["kind"]}
+         "warm_start": config["warm_start"]}
   if config.get("data", {}).get("path"):  # SFT reads the dataset's solutions
     key["data"] = {name: value for name, value in config["data"].items()
                    if name != "allow_changed_dataset"}  # how a resume may go on, not data
-  if drafter["kind"] == "draft_model":
-    key["draft_model"] = drafter["model"]
+  drafter = drafter_registry.warm_start_key(dict(config["drafter"]))
+  if drafter is not None:  # what the warm start trains of the drafter (the registry says)
+    key["drafter"] = drafter
   return key
 
 

@@ -17,9 +17,9 @@ from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError, SpecConfig
-from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
 from specrl_jax.rl.app import data_fingerprint, run_data, run_directory
+from specrl_jax.rl.app.drafter_registry import build_drafter
 from specrl_jax.rl.app.experiment import ExperimentConfig, to_dict
 from specrl_jax.rl.app.guards import CollapseDetector, check_step
 from specrl_jax.rl.app.meshes import check_layout, checkpoint_mesh, run_meshes
@@ -29,7 +29,7 @@ from specrl_jax.rl.app.warm_start import Models, fresh_models, warm_start
 from specrl_jax.rl.loop import numerics
 from specrl_jax.rl.loop.async_pipeline import AsyncPipeline
 from specrl_jax.rl.loop.learner import TrainState, abstract_train_state, init_train_state
-from specrl_jax.rl.loop.online_drafters import OnlineDrafter, online_drafter
+from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 from specrl_jax.rl.loop.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, Task, make_prompt_set, step_indices
 
@@ -48,8 +48,8 @@ class Session:
     self.text_tokenizer = run_data.policy_tokenizer(config)
     self.fingerprint = run_data.data_fingerprint(
         config, task, config.output.resume and bool(self.checkpoint_steps()), log)
-    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task,
-                                                   self.fingerprint)
+    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task, log=log,
+                                                   fingerprint=self.fingerprint)
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
@@ -117,17 +117,10 @@ class Session:
   # ------------------------------------------------------------ RL pieces
 
   def drafter_for(self, models: Models):
-    """(drafter or None, online drafter or None) as the config asks."""
-    c = self.config.drafter
-    if c.kind == "none":
-      return None, None
-    if c.kind == "ngram":
-      return NGram(n=c.ngram_n), None
-    drafter = DraftModel(models.draft)
-    if not c.online:
-      return drafter, None
-    return drafter, online_drafter(drafter, sampling=self.rollout_config.sampling,
-                                   loss_weight=c.loss_weight)
+    """(drafter or None, online drafter or None) as the config asks
+    (``rl.app.drafter_registry``)."""
+    return build_drafter(self.config, models.policy, models.draft,
+                         sampling=self.rollout_config.sampling, log=self.log)
 
   def meshes(self):
     """(train mesh, rollout mesh or None for sync)."""
