@@ -74,11 +74,11 @@ def _train(argv: list[str]) -> dict[str, Any] | None:
   session = Session(config, log=log)
   cache = cache_directory(config.output.compilation_cache, config.output.directory)
   command_errors.check_cache_path(cache)
+  session.check()  # what cannot work fails now, not after the warm start
   # Process 0 holds the lock for all: the others write only checkpoint shards.
   lock = (run_lock.held(config.output.directory, log=log) if distributed.is_primary()
           else contextlib.nullcontext())
   with lock:
-    session.check()  # what cannot work fails now, not after the warm start
     with persistent_cache(cache):
       return session.train(session.warm_start())
 
