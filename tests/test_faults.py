@@ -53,7 +53,8 @@ TIMING = ("step_seconds", "samples_per_second", "tokens_per_second", "rollout_se
 
 def _fault_run(fault, directory, cache, *extra, devices=1):
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
-             JAX_COMPILATION_CACHE_DIR=str(cache),
+             # the suite's cache (conftest) where there is one: other files run these programs too
+             JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
              # this checkout's package, not whichever one the interpreter has installed
@@ -89,10 +90,12 @@ def killed_thrice(tmp_path_factory):
 
 def test_a_kill_during_the_warm_start_leaves_no_cache_to_trust(killed_thrice):
   stage = killed_thrice["stages"]["warm_start"]
-  # Its first model was written, into the partial folder only; nothing else exists yet.
-  assert stage["files"] == ["warm_start.partial"]
+  # Its first model was written, into the partial folder only; nothing else exists yet
+  # but the lock it held, which the next run takes over.
+  assert stage["files"] == ["run.lock", "warm_start.partial"]
   rerun = killed_thrice["stages"]["checkpoint:2"]["run"].stdout
   assert "warm start: SFT 120 steps" in rerun and "loaded from" not in rerun
+  assert "was left by a run that is gone" in rerun and "taking the lock over" in rerun
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(killed_thrice):
