@@ -166,9 +166,6 @@ class MemoryStep:
                         self.group_size)
     return state, metrics
 
-  def _cache_size(self) -> int:
-    return self.jitted._cache_size()
-
 
 def prompts_on_mesh(prompts: PromptBatch, mesh: Mesh) -> PromptBatch:
   """The step's prompts as device arrays split over the mesh's batch axes."""
