@@ -319,9 +319,11 @@ PRESETS: dict[str, ExperimentConfig] = {
         learner=dataclasses.replace(LEARNER, learning_rate=1e-3, warmup_steps=0),
         output=OutputSection(directory="runs/tiny", checkpoint_every=2, plots=False)),
     # `specrl train --model=PATH --dataset=PATH`: a pretrained policy on a dataset, no
-    # warm start, n-gram drafts (a draft model would have to be distilled first).
+    # warm start, history drafts: no weights to train, and the only drafter whose
+    # acceptance grows as the epochs revisit prompts (experiments/bench_own_model.py,
+    # docs/drafters.md); rollouts kept up to data.max_response_tokens' default 256.
     "dataset": ExperimentConfig(
-        drafter=DrafterSection(kind="ngram"),
+        drafter=DrafterSection(kind="history", history=HistoryConfig(rollout_tokens=288)),
         warm_start=WarmStartSection(sft_steps=0, distill_steps=0),
         rl=RLSection(steps=100, group_size=8, prompts_per_step=8,
                      engine=EngineConfig(num_slots=0)),
