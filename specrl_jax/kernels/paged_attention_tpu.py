@@ -19,7 +19,8 @@ Kernel layout (flash-decoding with an online softmax):
 
 Scalar prefetch and a reduction over a sequential grid axis have no counterpart in
 the Triton backend: GPUs use ``paged_attention_gpu``. On CPU this runs with
-``interpret=True`` (the tests). It has not been compiled on a TPU yet. The pool layout
+``interpret=True`` (the tests), and lowers for TPU through Mosaic at the presets'
+shapes (tests/test_lowering.py); it has not been compiled on a TPU yet. The pool layout
 [P, KV, S, D] keeps a page block's two minor axes (page_size, head_dim) whole, as
 Mosaic's tiling wants.
 

@@ -20,7 +20,7 @@ from specrl_jax.sampling import sharded
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.inputs import check_arguments
 from specrl_jax.sampling.layout import (
-    engine_layout, group_prompts, pack, pack_prompts, padded_width, tensor_shards_of,
+    Layout, engine_layout, group_prompts, pack, pack_prompts, padded_width, tensor_shards_of,
     weight_bytes_for,
 )
 from specrl_jax.sampling.programs import bucket_inputs, trim
@@ -78,7 +78,7 @@ def decode(model: Transformer, prompts: list[list[int]], rng: jax.Array, *,
       hook_params=hook_params, placement=placement), len(prompts)), layout)
 
 
-def with_attention(output: GenerateOutput, layout) -> GenerateOutput:
+def with_attention(output: GenerateOutput, layout: Layout) -> GenerateOutput:
   """``output`` with ``stats["attention"]`` (the EngineConfig choice its programs
   used) and ``stats["attention_fallback"]`` (why "auto" fell back to the reference,
   naming the kernel and its compile error; None if it did not)."""

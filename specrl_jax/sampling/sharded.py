@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
+from specrl_jax.sampling.layout import Layout
 from specrl_jax.parallel.rules import (
     TRANSFORMER_RULES, PartitionRules, named_shardings, rollout_rules,
 )
@@ -142,7 +143,7 @@ def check_mesh(mesh: Mesh) -> None:
                      f"{missing}.")
 
 
-def layout_on_mesh(layout, mesh: Mesh | None):
+def layout_on_mesh(layout: Layout, mesh: Mesh | None) -> Layout:
   """``layout`` with the mesh whose "tensor" axis splits the heads, so the attention
   kernels run per head shard there (``kernels.SplitHeads``)."""
   if mesh is None or mesh.shape.get("tensor", 1) == 1:
