@@ -172,3 +172,13 @@ def test_a_non_finite_loss_names_the_step_and_the_kept_checkpoint(tmp_path):
                      match=r"step 7: non-finite loss=nan; the update was not kept or checkpointed "
                            r"and the last good checkpoint \(step 6\) is kept"):
     session._check(7, metrics, 6)
+
+
+def test_non_finite_rewards_of_a_jitted_task_reward_name_the_step_and_the_kept_checkpoint(tmp_path):
+  session = train_command.Session(dataclasses.replace(
+      experiment.PRESETS["tiny"], output=experiment.OutputSection(directory=str(tmp_path))))
+  metrics = {"rewards_finite": False, "reward_mean": float("nan"), "loss": 0.5,
+             "grad_norm": 1.0, "pool_exhausted": False}
+  with pytest.raises(train_command.TrainingDivergedError,
+                     match=r"step 4: the task's rewards are NaN.*last good checkpoint \(step 4\)"):
+    session._check(4, metrics, 4)
