@@ -2,10 +2,17 @@
 resume and plots.
 
     specrl train [--preset=demo|tiny|dataset] [--section.field=value ...]
-    specrl train --model=HF_FOLDER --dataset=FILE --reward=module:function [...]
+    specrl train --model HF_FOLDER --dataset FILE --reward module:function [...]
                  [--coordinator HOST:PORT --num-processes N --process-id I | --distributed]
                  [--init-timeout SECONDS] [--heartbeat-timeout SECONDS]
                  [--shutdown-timeout SECONDS]
+    specrl train ... --print-config   the resolved config as JSON, then exit
+    specrl train ... --help           this text, then every field with its type, the
+                                      default this command line resolves to and its doc
+
+--model / --dataset / --reward (with "=" or a space) are --policy.path, --data.path
+and --data.reward; with --model or --dataset the preset is "dataset" (learning rate
+1e-6, 100 steps, at most 256 new tokens, n-gram drafts; the run prints its plan first).
 
 e.g. ``specrl train --preset=demo --rl.mode=async --rl.rollout_devices=4
 --rl.train_devices=4 --output.directory=runs/async``. Re-running with the same
@@ -33,6 +40,7 @@ from specrl_jax.config import ConfigError
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.distributed import DistributedError
 from specrl_jax.parallel.launch import DISTRIBUTED_FLAGS, parse_distributed_argv  # noqa: F401
+from specrl_jax.rl.app import config_help
 from specrl_jax.rl.app.experiment import PRESETS, to_dict
 from specrl_jax.rl.app.guards import TrainingDivergedError
 from specrl_jax.rl.app.session import Models, Session
@@ -47,11 +55,13 @@ __all__ = ["Models", "Session", "TrainingDivergedError", "main", "parse_argv"]
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if any(a in ("-h", "--help") for a in argv):
-    print(__doc__)
-    print(f"presets: {sorted(PRESETS)}; fields: see specrl_jax/rl/app/experiment.py")
-    return 0
+    return print_help([a for a in argv if a not in ("-h", "--help")])
   try:
     launch, argv = parse_distributed_argv(argv)
+    if "--print-config" in argv:
+      config = parse_argv([a for a in argv if a != "--print-config"])
+      print(json.dumps(to_dict(config), indent=2))
+      return 0
     if launch is not None:
       distributed.initialize(launch)
     config = parse_argv(argv)
@@ -60,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               "the run configuration")
     session = Session(config, log=print if distributed.is_primary() else (lambda _: None))
     session.check()  # what cannot work fails now, not after the warm start
+    session.announce()
     with persistent_cache(cache_directory(config.output.compilation_cache,
                                           config.output.directory)):
       models = session.warm_start()
@@ -70,6 +81,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   if summary is not None:
     print(json.dumps(summary, indent=2))
+  return 0
+
+
+def print_help(argv: Sequence[str]) -> int:
+  """The usage, then every section and field with the defaults ``argv`` resolves to
+  (its preset and overrides; the demo preset's when they do not parse)."""
+  print(__doc__)
+  print(f"presets: {sorted(PRESETS)}")
+  try:
+    config, note = parse_argv(parse_distributed_argv(argv)[1]), ""
+  except (ConfigError, DistributedError) as error:
+    config, note = PRESETS["demo"], f" (the demo preset's: {error})"
+  print(f"\nfields, as --section.field=value, with the defaults of this command line{note}:")
+  print(config_help.help_text(config))
   return 0
 
 
