@@ -84,5 +84,5 @@ def test_a_session_plans_its_model_data_drafter_and_mesh(tmp_path):
   assert "task arithmetic: 64 rows to train on, none held out" in text
   assert "draft_model: a fresh 1-layer 32-wide model" in text
   assert "distilled from the policy for 10 steps, trained online" in text
-  assert "(data, fsdp, tensor) = (1, 1, 1)" in text
+  assert f"(data, fsdp, tensor) = (1, 1, 1): 1 of {jax.device_count()} cpu devices" in text
   assert f"output:   {tmp_path}" in text

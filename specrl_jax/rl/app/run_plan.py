@@ -109,4 +109,5 @@ def _mesh_line(config: ExperimentConfig, devices: int) -> str:
   if rl.mode == "async":
     return (f"rollouts on {rl.rollout_devices} and training on {rl.train_devices} of "
             f"{devices} devices, tensor {rl.mesh[2]}")
-  return f"(data, fsdp, tensor) = {rl.mesh} of {devices} devices ({jax.default_backend()})"
+  return (f"(data, fsdp, tensor) = {rl.mesh}: {math.prod(rl.mesh)} of {devices} "
+          f"{jax.default_backend()} devices")
