@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 import specrl_jax as sj  # noqa: E402
 from specrl_jax import parallel, rl  # noqa: E402
 from specrl_jax.models.transformer import REMAT_POLICIES  # noqa: E402
-from specrl_jax.rl.algo.losses import aggregation_weights, valid_token_weights  # noqa: E402
+from specrl_jax.rl.algo.aggregation import aggregation_weights, valid_token_weights  # noqa: E402
 from specrl_jax.rl.loop.policy_loss import policy_and_drafter_loss  # noqa: E402
 
 SAMPLING = sj.SamplingParams(temperature=1.0)

@@ -10,6 +10,7 @@ orbax coordinates them.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import jax
@@ -87,6 +88,18 @@ def restore_model(directory: str | os.PathLike, model: nnx.Module, *,
   return model
 
 
+class CheckpointDamagedError(Exception):
+  """A checkpoint's files cannot be read back (truncated, corrupted)."""
+
+
+def _layout(tree: Any) -> list[tuple[tuple[int, ...], str]]:
+  """The sorted (shape, dtype) of every array of ``tree`` (arrays, ShapeDtypeStructs or
+  orbax's array metadata)."""
+  leaves = jax.tree.leaves(tree)
+  return sorted((tuple(int(n) for n in leaf.shape), str(np.dtype(leaf.dtype)))
+                for leaf in leaves)
+
+
 class TrainCheckpointManager:
   """Periodic checkpoints of a full train state: keep the newest N, resume the latest.
 
@@ -149,6 +162,40 @@ class TrainCheckpointManager:
     restored = self._manager.restore(step, args=ocp.args.StandardRestore(
         {"state": abstract, IN_FLIGHT: host}))
     return restored["state"], _decode_host(restored[IN_FLIGHT])
+
+  def layout_mismatch(self, target: Any, step: int) -> str | None:
+    """Why checkpoint ``step`` cannot hold ``target``'s arrays, from its metadata: a
+    different number of arrays, or of shapes and dtypes; None when they are the
+    same (a restore that fails then found the checkpoint damaged, not foreign).
+    Raises CheckpointDamagedError when the metadata itself cannot be read."""
+    try:
+      saved = self._manager.item_metadata(step)
+      if saved is not None and set(saved.keys()) == {"state", IN_FLIGHT}:
+        saved = saved["state"]
+      recorded = _layout(saved)
+    except Exception as error:  # orbax raises whatever its reader hit
+      raise CheckpointDamagedError(f"its metadata cannot be read ({type(error).__name__}: "
+                                   f"{str(error)[:200]})") from error
+    wanted = _layout(target)
+    if recorded == wanted:
+      return None
+    if len(recorded) != len(wanted):
+      return f"it holds {len(recorded)} arrays, this train state {len(wanted)}"
+    first = next(i for i, (a, b) in enumerate(zip(recorded, wanted)) if a != b)
+    return (f"its arrays' shapes and dtypes differ, e.g. {recorded[first]} where the train "
+            f"state has {wanted[first]}")
+
+  def set_aside(self, step: int) -> str:
+    """Moves checkpoint ``step`` out of the manager's sight, to ``damaged-<step>``
+    beside the others (kept for inspection); the new path."""
+    source = os.path.join(self.directory, str(int(step)))
+    target = os.path.join(self.directory, f"damaged-{int(step)}")
+    if os.path.exists(target):
+      target = f"{target}-{os.getpid()}-{int(time.time())}"
+    if jax.process_index() == 0:
+      os.rename(source, target)
+    self._manager.reload()
+    return target
 
   def delete(self, step: int) -> None:
     """Removes the checkpoint of ``step``."""

@@ -1,18 +1,51 @@
-"""Test-wide JAX setup: eight simulated CPU devices for the sharding tests.
+"""Test-wide JAX setup: eight simulated CPU devices for the sharding tests, and one
+persistent compilation cache for the whole run.
 
 Must run before JAX initialises a backend, hence environment variables at import.
 """
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent compilation cache unless a test asks for one: `specrl train` would
-# otherwise open one beside each test's output directory, shared between tests.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
+# Many test files build the same tiny models and compile the same programs, and every
+# module's in-memory programs are dropped when it ends (below): a folder cache shared by
+# the whole run (both xdist workers, which inherit this environment, and the `specrl`
+# subprocesses tests start) compiles each program once. The process that makes the
+# folder removes it at the end. JAX_COMPILATION_CACHE_DIR="" turns it off.
+_SUITE_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _SUITE_CACHE = tempfile.mkdtemp(prefix="specrl-tests-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _SUITE_CACHE
+  # Tiny programs compile in well under JAX's default 1 s threshold.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from specrl_jax import drafters, testing  # noqa: E402
+from specrl_jax.config import ModelConfig  # noqa: E402
+
+# The tiny target the engine tests decode with: a 12-token vocabulary keeps the joint
+# distribution of a few tokens enumerable, four query heads over two KV heads keep
+# grouped-query attention in every path.
+TINY_TARGET = ModelConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="session")
+def target():
+  """A peaked random target (sampling at temperature 1 is far from uniform)."""
+  return testing.peaked_random_model(TINY_TARGET, seed=0)
+
+
+@pytest.fixture(scope="session")
+def noisy_drafter(target):
+  """A draft model close to the target but not equal to it: drafts are accepted often
+  and rejected often, so every branch of verification runs."""
+  return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -22,3 +55,8 @@ def _free_compiled_programs():
   allocate while compiling, which crashed a worker once)."""
   yield
   jax.clear_caches()
+
+
+def pytest_unconfigure(config):
+  if _SUITE_CACHE is not None:
+    shutil.rmtree(_SUITE_CACHE, ignore_errors=True)

@@ -32,3 +32,19 @@ def hogs_memory(response, targets):
   del response, targets
   hoard = bytearray(1 << 30)  # 1 GiB, over the test's limit
   return float(len(hoard))
+
+
+# Dataset rewards (prompt, completion, answer, **fields), for tests/test_hostile_data.py.
+
+def dataset_dies_on_bad(prompt, completion, answer, **fields):
+  del prompt, answer, fields
+  if completion == "bad":
+    os._exit(7)
+  return 1.0
+
+
+def dataset_hangs_on_bad(prompt, completion, answer, **fields):
+  del prompt, answer, fields
+  while completion == "bad":
+    time.sleep(1)
+  return 1.0

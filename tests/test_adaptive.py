@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from specrl_jax import drafters, testing
-from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
+from specrl_jax.config import ConfigError, SamplingParams, SpecConfig
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.generate import generate
 from specrl_jax.speculative.adaptive import DraftLengthController
+from conftest import TINY_TARGET
 
-VOCAB = 12
-TARGET_CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+TARGET_CONFIG = TINY_TARGET
+VOCAB = TARGET_CONFIG.vocab_size
 
 
 def observe_rounds(controller, k, *, seconds_per_round, acceptance, slots=8, rounds=8):
@@ -252,14 +252,6 @@ def test_spec_config_rejects_adaptive_trees_and_bad_decision_interval():
 
 # --- generation -----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def target():
-  return testing.peaked_random_model(TARGET_CONFIG, seed=0)
-
-
-@pytest.fixture(scope="module")
-def noisy_drafter(target):
-  return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
 
 
 def test_adaptive_speculation_follows_the_exact_joint_distribution(target, noisy_drafter):

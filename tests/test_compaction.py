@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 
 from specrl_jax import drafters, parallel, testing
-from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
+from specrl_jax.config import ConfigError, SamplingParams, SpecConfig
 from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.drafters.history import History
 from specrl_jax.speculative.generate import generate
+from conftest import TINY_TARGET
 
-VOCAB = 12
-CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+CONFIG = TINY_TARGET
+VOCAB = CONFIG.vocab_size
 # Ragged: one token, within a page of 4, exactly a page, across pages, and repeats.
 PROMPTS = [[5], [3, 10, 11], [9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8],
            [11, 0, 1, 2, 4, 4, 9, 10, 1], [3, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8]]
@@ -42,14 +42,6 @@ ENGINES = {
 }
 
 
-@pytest.fixture(scope="module")
-def target():
-  return testing.peaked_random_model(CONFIG, seed=0)
-
-
-@pytest.fixture(scope="module")
-def noisy_drafter(target):
-  return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
 
 
 @pytest.fixture(scope="module")

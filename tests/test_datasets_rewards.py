@@ -133,7 +133,7 @@ def test_a_non_finite_reward_is_refused_naming_the_sample_and_the_function(value
   rewards = _score_batch(_task(fn), ["ok", "bad"])
   assert np.isnan(rewards).all()  # the batch is not trained on
   with pytest.raises(RewardFunctionError,
-                     match=rf"user:fn raised NonFiniteRewardError: returned {value}.*sample 1"):
+                     match=rf"user:fn returned float {value}, not a finite real number.*sample 1"):
     raise_pending_errors()
 
 

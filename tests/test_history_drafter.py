@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from specrl_jax import drafters, testing
-from specrl_jax.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
+from specrl_jax.config import ConfigError, SamplingParams, SpecConfig
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.generate import generate
 from specrl_jax.speculative.drafters.base import RoundInputs
@@ -37,14 +37,14 @@ from specrl_jax.speculative.drafters.history_store import (HistoryConfig, Histor
 from specrl_jax.speculative.drafters.matching import (extend_runs, longest_match_log_probs,
                                                       suffix_runs)
 from specrl_jax.speculative.verify import Verdict
+from conftest import TINY_TARGET
 
-VOCAB = 12
+TARGET_CONFIG = TINY_TARGET
+VOCAB = TARGET_CONFIG.vocab_size
 NUM_SAMPLES = 20_000
 MAX_NEW = 6
 JOINT_LENGTH = 3
 ENGINE = EngineConfig(page_size=4, num_slots=1024)
-TARGET_CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 # A small bank (4 rollouts of the prompt) so that some contexts have no long match and
 # the fallback gets its turn.
 SMALL = dict(rollouts_per_prompt=4, rollout_tokens=24, siblings=2, finished_rollouts=8)
@@ -76,13 +76,8 @@ def run(model, prompts, *, sampling, drafter=None, spec=None, engine=ENGINE, see
 
 
 @pytest.fixture(scope="module")
-def target():
-  return testing.peaked_random_model(TARGET_CONFIG, seed=0)
-
-
-@pytest.fixture(scope="module")
-def fallback(target):
-  return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
+def fallback(noisy_drafter):
+  return noisy_drafter
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,14 @@ import itertools
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specrl_jax import parallel
 from specrl_jax.config import ConfigError
-from specrl_jax.kernels import (paged_attention, paged_attention_gpu_interpret,
+from specrl_jax.kernels import (SplitHeads, paged_attention, paged_attention_gpu_interpret,
                                 paged_attention_tpu, paged_attention_tpu_interpret,
                                 prefill_attention, resolve_attention)
 from specrl_jax.kernels.dispatch import paged_attention_gpu_where_it_fits
@@ -262,3 +264,34 @@ def test_interpret_mode_takes_pages_the_triton_lowering_cannot():
                      num_kv_heads=2, groups=2)
   chex.assert_trees_all_close(paged_attention_gpu_interpret(*args),
                               paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
+
+
+def _primitive_names(jaxpr) -> set[str]:
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitive_names(sub)
+  return names
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_split_heads_runs_the_kernel_per_tensor_shard_and_matches_the_reference(kernel):
+  mesh = parallel.make_mesh((1, 1, 2), devices=jax.devices()[:2])
+  args = make_inputs(page_size=16, prefix_lengths=(22, 32, 0), mask_TxN=causal_mask(4),
+                     num_kv_heads=2, groups=2)
+  split = resolve_attention("pallas", "cpu", mesh=mesh).decode
+  assert split == SplitHeads(paged_attention_gpu_interpret, mesh)
+  split = SplitHeads(KERNELS[kernel], mesh)
+  assert {"shard_map", "pallas_call"} <= _primitive_names(jax.make_jaxpr(split)(*args).jaxpr)
+  chex.assert_trees_all_close(jax.jit(split)(*args), paged_attention_reference(*args),
+                              atol=1e-5, rtol=1e-5)
+
+
+def test_split_heads_takes_the_reference_when_the_kv_heads_do_not_divide():
+  mesh = parallel.make_mesh((1, 1, 2), devices=jax.devices()[:2])
+  args = make_inputs(page_size=16, prefix_lengths=(22, 32, 0), mask_TxN=causal_mask(1),
+                     num_kv_heads=1, groups=2)
+  split = SplitHeads(paged_attention_gpu_interpret, mesh)
+  assert "pallas_call" not in _primitive_names(jax.make_jaxpr(split)(*args).jaxpr)
+  chex.assert_trees_all_equal(split(*args), paged_attention_reference(*args))

@@ -130,6 +130,12 @@ def test_speculation_on_a_tensor_parallel_mesh_follows_the_exact_joint(target, d
   joint_check(target, draft, SpecConfig(num_draft_tokens=3), mesh=mesh_of((1, 1, 2)))
 
 
+def test_speculation_with_the_kernels_split_over_tensor_shards_follows_the_exact_joint(
+    target, draft):
+  joint_check(target, draft, SpecConfig(num_draft_tokens=3), mesh=mesh_of((1, 1, 2)),
+              engine=EngineConfig(page_size=4, num_slots=4096, attention="pallas"))
+
+
 # --- bfloat16 ----------------------------------------------------------------------
 
 BF16 = TARGET.replace(param_dtype="bfloat16", dtype="bfloat16")
@@ -172,12 +178,17 @@ def test_bf16_greedy_speculation_equals_bf16_greedy_plain(bf16_target):
     np.testing.assert_array_equal(speculative.tokens, plain.tokens)
 
 
-def test_tensor_parallel_meshes_attend_with_the_reference():
-  """The Pallas kernels have no rule for split KV heads: "auto" takes the reference on
-  a mesh with a tensor axis, and an explicit "pallas" is refused before compiling."""
-  mesh = mesh_of((1, 1, 2))
-  auto = sharded.engine_for_mesh(EngineConfig(), mesh)
-  assert auto.attention == "reference"
-  with pytest.raises(ValueError, match="attention='pallas' cannot run on mesh"):
-    generate(testing.peaked_random_model(TARGET, seed=0), PROMPTS, sampling=GREEDY,
-             mesh=mesh, engine=EngineConfig(attention="pallas"))
+KERNELS = EngineConfig(page_size=4, num_slots=3, attention="pallas")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2), (1, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_the_kernels_split_over_tensor_shards_decode_the_references_greedy_tokens(
+    shape, target, draft, greedy_tokens):
+  """attention="pallas" on a tensor-parallel mesh runs the kernel (interpret mode on
+  CPU) once per head shard; plain and speculative greedy tokens are the reference's."""
+  mesh = mesh_of(shape)
+  plain = generate(target, PROMPTS, sampling=GREEDY, engine=KERNELS, mesh=mesh)
+  np.testing.assert_array_equal(plain.tokens, greedy_tokens)
+  speculative = generate(target, PROMPTS, sampling=GREEDY, engine=KERNELS, mesh=mesh,
+                         drafter=draft, spec=SpecConfig(num_draft_tokens=3))
+  np.testing.assert_array_equal(speculative.tokens, greedy_tokens)

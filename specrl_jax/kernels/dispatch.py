@@ -7,6 +7,10 @@
                power of two >= 16: the tests' toy models) use the reference. On CPU the
                GPU kernel runs in interpret mode at any shape: exact, and slow (tests).
   "auto":      "pallas" on an accelerator, "reference" on CPU.
+
+On a mesh whose "tensor" axis splits the heads, the kernels run once per head shard
+(``split_heads.SplitHeads``). The backend is JAX's default, or the platform a program
+is lowered for inside ``platform.lowering_for``.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from specrl_jax.config import check
 from specrl_jax.kernels.paged_attention_gpu import fits_triton, paged_attention_gpu
 from specrl_jax.kernels.paged_attention_tpu import paged_attention_tpu
+from specrl_jax.kernels.platform import attention_backend
+from specrl_jax.kernels.split_heads import SplitHeads
 from specrl_jax.kv.paged import AttentionFn, paged_attention_reference
 
 Array = jax.Array
@@ -55,7 +62,7 @@ def prefill_attention(q_BxTxHxD: Array, k_pages_PxKxSxD: Array, v_pages_PxKxSxD:
   """
   del k_pages_PxKxSxD, v_pages_PxKxSxD, page_table_BxM, prefix_lengths_B
   dtype = q_BxTxHxD.dtype
-  if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16):
+  if attention_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16):
     lengths_B = jnp.sum(new_mask_BxTxT[:, -1, :], axis=-1, dtype=jnp.int32)
     try:
       return jax.nn.dot_product_attention(
@@ -76,18 +83,22 @@ class AttentionPlan:
   prefill: AttentionFn       # the prompts' causal forward
 
 
-def resolve_attention(attention: str, backend: str | None = None) -> AttentionPlan:
+def resolve_attention(attention: str, backend: str | None = None,
+                      mesh: Mesh | None = None) -> AttentionPlan:
   """The plan for ``attention`` (one of ATTENTION_CHOICES) on ``backend`` (default:
-  JAX's default backend)."""
+  ``platform.attention_backend()``); with ``mesh`` (a "tensor" axis > 1 splitting the
+  heads) the kernels run per head shard."""
   check(attention in ATTENTION_CHOICES, "EngineConfig", "attention", attention,
         f"one of {ATTENTION_CHOICES}")
-  backend = backend or jax.default_backend()
+  backend = backend or attention_backend()
   if attention == "auto":
     attention = "reference" if backend == "cpu" else "pallas"
   if attention == "reference":
     return AttentionPlan("reference", paged_attention_reference, paged_attention_reference)
   decode = {"tpu": paged_attention_tpu, "gpu": paged_attention_gpu_where_it_fits}.get(
       backend, paged_attention_gpu_interpret)
+  if mesh is not None and mesh.shape.get("tensor", 1) > 1:
+    decode = SplitHeads(decode, mesh)
   return AttentionPlan("pallas", decode, prefill_attention)
 
 

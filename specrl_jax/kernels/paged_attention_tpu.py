@@ -172,10 +172,8 @@ class _OnlineSoftmax:
     self.scale = scale
 
   def update(self, k_LxD: Array, v_LxD: Array, visible_RxL: Array) -> None:
-    contract_last = (((1,), (1,)), ((), ()))
     q_RxD = self.q_ref[...]
-    scores_RxL = jax.lax.dot_general(q_RxD, k_LxD.astype(q_RxD.dtype), contract_last,
-                                     preferred_element_type=jnp.float32) * self.scale
+    scores_RxL = _scores(q_RxD, k_LxD.astype(q_RxD.dtype)) * self.scale
     scores_RxL = jnp.where(visible_RxL, scores_RxL, MASK_VALUE)
     max_prev = self.max_ref[...]
     max_new = jnp.maximum(max_prev, scores_RxL.max(axis=1, keepdims=True))
@@ -183,6 +181,25 @@ class _OnlineSoftmax:
     probs_RxL = jnp.where(visible_RxL, jnp.exp(scores_RxL - max_new), 0.0)
     rescale = jnp.exp(max_prev - max_new)
     self.sum_ref[...] = rescale * self.sum_ref[...] + probs_RxL.sum(axis=1, keepdims=True)
-    self.acc_ref[...] = rescale * self.acc_ref[...] + jnp.dot(
-        probs_RxL.astype(v_LxD.dtype), v_LxD, preferred_element_type=jnp.float32)
+    self.acc_ref[...] = rescale * self.acc_ref[...] + _weighted_values(
+        probs_RxL.astype(v_LxD.dtype), v_LxD)
     self.max_ref[...] = max_new
+
+
+# With one key (plain decode's new token) Mosaic lowers a 16-bit matmul to a vector
+# broadcast that cannot change the element type and fails to verify; a product of two
+# 16-bit numbers is exact in float32, so the elementwise form below is the same sum.
+def _scores(q_RxD: Array, k_LxD: Array) -> Array:
+  """q k^T in float32. [R, L]."""
+  if k_LxD.shape[0] == 1:
+    return jnp.sum(q_RxD.astype(jnp.float32) * k_LxD.astype(jnp.float32), axis=1,
+                   keepdims=True)
+  contract_last = (((1,), (1,)), ((), ()))
+  return jax.lax.dot_general(q_RxD, k_LxD, contract_last, preferred_element_type=jnp.float32)
+
+
+def _weighted_values(probs_RxL: Array, v_LxD: Array) -> Array:
+  """probs v in float32. [R, D]."""
+  if v_LxD.shape[0] == 1:
+    return probs_RxL.astype(jnp.float32) * v_LxD.astype(jnp.float32)
+  return jnp.dot(probs_RxL, v_LxD, preferred_element_type=jnp.float32)

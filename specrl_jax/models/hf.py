@@ -22,7 +22,7 @@ import tokenizers
 from flax import nnx
 from safetensors.numpy import save_file
 
-from specrl_jax.config import ConfigError, check
+from specrl_jax.config import ConfigError, ModelConfig, check
 from specrl_jax.models.hf_config import (  # noqa: F401  (the module's public names)
     ARCHITECTURES, Architecture, architecture_for, hf_config_from_model,
     model_config_from_hf)
@@ -60,17 +60,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str | None = None,
     check(value is None or value in _NUMPY_DTYPES, "load_hf", field, value,
           f"None (the checkpoint's) or one of {tuple(_NUMPY_DTYPES)}")
   path = os.fspath(path)
-  config_file = os.path.join(path, CONFIG_FILE)
-  refuse(not os.path.isfile(config_file),
-         f"{path} has no {CONFIG_FILE}; expected a Hugging Face model folder.")
-  hf_config = read_json(config_file)
-  infos = tensor_infos(path, hf_config)
-  try:
-    config = model_config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype,
-                                  weights_dtype=weights_dtype(infos))
-  except (HFFormatError, ConfigError) as error:  # "config.json ..." -> its full path
-    raise type(error)(re.sub(r"^config\.json\b", lambda _: config_file, str(error))
-                      ) from error
+  config, infos = _config_and_tensors(path, param_dtype=param_dtype, dtype=dtype)
   # Shapes only: no random initialisation of weights about to be overwritten.
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
@@ -120,6 +110,30 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str | None = None,
   state = nnx.from_flat_state([(our_path, variable.replace(values[our_path]))
                                for our_path, _, _, variable in wanted.values()])
   return nnx.merge(graphdef, state)
+
+
+def read_hf_model_config(path: str | os.PathLike) -> ModelConfig:
+  """The ModelConfig of the Hugging Face folder ``path``, from its config.json and its
+  weights' headers (no tensor data is read): the checks ``load_hf`` makes before any
+  work, so a folder without weights or of an unsupported architecture is refused now."""
+  return _config_and_tensors(os.fspath(path))[0]
+
+
+def _config_and_tensors(path: str, *, param_dtype: str | None = None,
+                        dtype: str | None = None):
+  refuse(not os.path.exists(path), f"the model folder {path} does not exist.")
+  config_file = os.path.join(path, CONFIG_FILE)
+  refuse(not os.path.isfile(config_file),
+         f"{path} has no {CONFIG_FILE}; expected a Hugging Face model folder.")
+  hf_config = read_json(config_file)
+  infos = tensor_infos(path, hf_config)
+  try:
+    config = model_config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype,
+                                  weights_dtype=weights_dtype(infos))
+  except (HFFormatError, ConfigError) as error:  # "config.json ..." -> its full path
+    raise type(error)(re.sub(r"^config\.json\b", lambda _: config_file, str(error))
+                      ) from error
+  return config, infos
 
 
 def load_tokenizer(path: str | os.PathLike) -> TextTokenizer | None:

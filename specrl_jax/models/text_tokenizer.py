@@ -5,9 +5,10 @@ tokens and decoding, without transformers at run time.
     ids = tok.encode_prompt("What is 2+2?", system="Answer briefly.")
     text = tok.decode(response_ids)
 
-The folder's tokenizer.json is read with ``tokenizers``; tokenizer_config.json gives
-the chat template and the bos/eos/pad tokens; generation_config.json's eos_token_id
-(an int or a list) adds stop ids. A prompt is rendered as transformers'
+The folder's tokenizer.json is read with ``tokenizers``; chat_template.jinja (else
+tokenizer_config.json) gives the chat template, chosen as transformers chooses it
+(``chat_template``); tokenizer_config.json the bos/eos/pad tokens;
+generation_config.json's eos_token_id (an int or a list) adds stop ids. A prompt is rendered as transformers'
 ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` renders
 it (the same sandboxed jinja2 environment) and encoded without adding special tokens,
 as ``apply_chat_template(..., tokenize=True)`` does: the template writes bos itself.
@@ -34,6 +35,8 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CONFIG_FILE = "config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 # The names transformers hands a chat template as variables (special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
@@ -97,6 +100,51 @@ def _compile_template(template: str):
     raise TokenizerFormatError(f"the chat template does not parse: {error}") from None
 
 
+def _read_text(path: str) -> str:
+  with open(path, encoding="utf-8") as f:
+    return f.read()
+
+
+def chat_template(path: str, config: Mapping[str, Any]) -> str | None:
+  """The chat template of folder ``path`` as transformers (5.x) chooses it for
+  ``apply_chat_template`` without a template argument: the files chat_template.jinja
+  (named "default") and additional_chat_templates/NAME.jinja, when there are any,
+  replace tokenizer_config.json's ``chat_template`` (a string, or a list of
+  {"name", "template"}); of several named templates the one named "default" is used,
+  and several without a "default" are refused, as transformers refuses them. None:
+  no template (prompts are plain text)."""
+  templates: dict[str, Any] = {}
+  if os.path.isfile(os.path.join(path, CHAT_TEMPLATE_FILE)):
+    templates["default"] = _read_text(os.path.join(path, CHAT_TEMPLATE_FILE))
+  extra = os.path.join(path, CHAT_TEMPLATE_DIR)
+  if os.path.isdir(extra):
+    for name in sorted(os.listdir(extra)):
+      if name.endswith(".jinja"):
+        templates[name.removesuffix(".jinja")] = _read_text(os.path.join(extra, name))
+  source = f"{path}'s {CHAT_TEMPLATE_FILE} and {CHAT_TEMPLATE_DIR}/"
+  if templates:
+    template = templates if set(templates) != {"default"} else templates["default"]
+  else:
+    template = config.get("chat_template")
+    source = os.path.join(path, TOKENIZER_CONFIG_FILE)
+    if isinstance(template, list):
+      if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+        raise TokenizerFormatError(f"{source}: chat_template is a list whose entries are not "
+                                   'all {"name": ..., "template": ...}')
+      template = {t["name"]: t.get("template") for t in template}
+  if isinstance(template, dict):
+    if "default" not in template:
+      raise TokenizerFormatError(
+          f"{source} hold several named chat templates {sorted(template)} and none named "
+          "'default': transformers refuses to choose one (apply_chat_template raises "
+          "'multiple chat templates with no default'); name the one to use 'default'")
+    template = template["default"]
+  if template is not None and not isinstance(template, str):
+    raise TokenizerFormatError(f"{source}: the chat template is {type(template).__name__}; "
+                               "expected a string")
+  return template
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class TextTokenizer:
   """A tokenizer with the roles RL needs. Compared by identity (it is a static
@@ -139,17 +187,7 @@ class TextTokenizer:
       raise TokenizerFormatError(f"{file} does not load: {error}") from None
     config_file = os.path.join(path, TOKENIZER_CONFIG_FILE)
     config = _read_json(config_file) if os.path.isfile(config_file) else {}
-    template = config.get("chat_template")
-    template_file = os.path.join(path, "chat_template.jinja")
-    if template is None and os.path.isfile(template_file):
-      with open(template_file, encoding="utf-8") as f:
-        template = f.read()
-    if isinstance(template, list):  # named templates: transformers uses "default"
-      named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-      template = named.get("default")
-    if template is not None and not isinstance(template, str):
-      raise TokenizerFormatError(f"{config_file}: chat_template is {type(template).__name__}; "
-                                 "expected a string")
+    template = chat_template(path, config)
     special = {}
     for name in SPECIAL_TOKEN_NAMES:
       text = _token_text(config.get(name), name, config_file)

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from specrl_jax.config import SamplingParams
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.memory import plan_engine_memory, sharded_bytes, tree_bytes
+from specrl_jax.sampling.hooks import RoundHook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,9 @@ class Layout:
   pages_always_enough: int
   kv_dtype: str = "float32"
   attention: str = "auto"     # EngineConfig.attention, resolved in init_state
+  # The mesh whose "tensor" axis splits the heads (None: one device, or tensor = 1):
+  # the kernels then run per head shard (``sharded.layout_on_mesh``).
+  tensor_mesh: Mesh | None = None
   # The narrowest width slot compaction goes to (0: none; ``sampling.compaction``).
   compaction_min_width: int = 0
 
@@ -57,7 +61,7 @@ def tensor_shards_of(mesh: Mesh | None) -> int:
 
 
 def pack(config, prompts: list[list[int]], sampling: SamplingParams, engine: EngineConfig,
-         *, rounds=None, weight_bytes: int | None = None, tensor_shards: int = 1):
+         *, rounds: RoundHook | None = None, weight_bytes: int | None = None, tensor_shards: int = 1):
   """Host-side packing of validated prompts into static-shape arrays.
 
   With a memory budget (``EngineConfig.memory_fraction`` / ``memory_budget_bytes``) the

@@ -142,14 +142,9 @@ def check_mesh(mesh: Mesh) -> None:
                      f"{missing}.")
 
 
-def engine_for_mesh(engine, mesh: Mesh | None):
-  """``engine`` as it can run on ``mesh``: the Pallas kernels have no partitioning rule
-  over split heads yet, so with a "tensor" axis > 1 attention is the reference
-  ("auto" picks it there; an explicit "pallas" is refused)."""
-  if mesh is None or mesh.shape.get("tensor", 1) == 1 or engine.attention == "reference":
-    return engine
-  if engine.attention == "pallas":
-    raise ValueError(f"EngineConfig.attention='pallas' cannot run on mesh {dict(mesh.shape)}: "
-                     "the kernels do not split KV heads over 'tensor' yet. Use "
-                     "attention='auto' or 'reference' there, or a mesh with tensor=1.")
-  return dataclasses.replace(engine, attention="reference")
+def layout_on_mesh(layout, mesh: Mesh | None):
+  """``layout`` with the mesh whose "tensor" axis splits the heads, so the attention
+  kernels run per head shard there (``kernels.SplitHeads``)."""
+  if mesh is None or mesh.shape.get("tensor", 1) == 1:
+    return layout
+  return dataclasses.replace(layout, tensor_mesh=mesh)

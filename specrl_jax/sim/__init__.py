@@ -9,8 +9,10 @@ from specrl_jax.sim.hardware import (HARDWARE, HardwareProfile, calibrate_cpu, g
                                      measure_cpu)
 from specrl_jax.sim.layout import ParallelLayout
 from specrl_jax.sim.lengths import FixedLengths, HistogramLengths, LogNormalLengths
-from specrl_jax.sim.model_spec import (MODELS, DrafterSpec, ModelSpec, draft_model_drafter,
-                                       eagle3_drafter, get_model, mtp_drafter, ngram_drafter)
+from specrl_jax.sim.model_spec import (DRAFTER_SPECS, MODELS, DrafterSpec, ModelSpec,
+                                       draft_model_drafter, drafter_spec, eagle3_drafter,
+                                       get_model, history_drafter, mtp_drafter, ngram_drafter,
+                                       register_drafter_spec)
 from specrl_jax.sim.presets import PAPER_FIGURES, PRESETS, calibrate_paper_8b, get_preset
 from specrl_jax.sim.report import breakdown_table, comparison_json, speedup_grid, write_heatmap
 from specrl_jax.sim.roofline import (EngineProfile, ForwardCostModel, SpeculationSpec,
@@ -20,14 +22,15 @@ from specrl_jax.sim.step import (Comparison, SimulationSetup, StepBreakdown, Ste
                                  simulate, simulate_step)
 
 __all__ = [
-    "HARDWARE", "MODELS", "PAPER_FIGURES", "PRESETS", "Comparison", "DrafterSpec",
+    "DRAFTER_SPECS", "HARDWARE", "MODELS", "PAPER_FIGURES", "PRESETS", "Comparison", "DrafterSpec",
     "EngineProfile", "FixedLengths", "ForwardCostModel", "HardwareProfile",
     "HistogramLengths", "LinearCallCost", "LogNormalLengths", "MeasuredCallCost", "ModelSpec",
     "ParallelLayout", "RolloutResult", "RolloutWorkload", "RooflineCallCost",
     "SimulationSetup", "SpeculationCostModel", "SpeculationSpec", "StepBreakdown",
     "StepSpec", "acceptance_from_length", "breakdown_table", "calibrate_cpu",
     "calibrate_paper_8b", "comparison_json", "conditional_acceptance",
-    "draft_model_drafter", "eagle3_drafter", "expected_tokens_per_round", "get_hardware",
-    "get_model", "get_preset", "measure_cpu", "mtp_drafter", "ngram_drafter",
+    "draft_model_drafter", "drafter_spec", "eagle3_drafter", "expected_tokens_per_round", "get_hardware",
+    "get_model", "get_preset", "history_drafter", "measure_cpu", "mtp_drafter",
+    "ngram_drafter", "register_drafter_spec",
     "simulate", "simulate_rollout", "simulate_step", "speedup_grid", "write_heatmap",
 ]

@@ -13,8 +13,7 @@ from specrl_jax.config import ConfigError
 from specrl_jax.sim.hardware import DEFAULT_CPU_PROFILE_PATH, calibrate_cpu, get_hardware
 from specrl_jax.sim.layout import ParallelLayout
 from specrl_jax.sim.lengths import HistogramLengths, LogNormalLengths
-from specrl_jax.sim.model_spec import (MODELS, draft_model_drafter, eagle3_drafter,
-                                       get_model, mtp_drafter, ngram_drafter)
+from specrl_jax.sim.model_spec import DRAFTER_SPECS, MODELS, drafter_spec, get_model
 from specrl_jax.sim.presets import PAPER_FIGURES, PRESETS, get_preset
 from specrl_jax.sim.report import breakdown_table, comparison_json, speedup_grid, write_heatmap
 from specrl_jax.sim.roofline import SpeculationSpec, acceptance_from_length
@@ -77,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
   work.add_argument("--length-histogram", metavar="JSON",
                     help='measured lengths: {"bin_edges": [...], "counts": [...]} or a list')
   spec = parser.add_argument_group("speculation")
-  spec.add_argument("--drafter", help="eagle3, mtp, ngram or draft:<model name>")
+  spec.add_argument("--drafter", help=f"one of {sorted(DRAFTER_SPECS)}; "
+                    "draft_model:<model name>, eagle3:<draft vocabulary size>")
   spec.add_argument("--k", type=int, help="draft tokens per round")
   spec.add_argument("--acceptance-length", type=float,
                     help="tokens per target forward (i.i.d. per-position rate solved)")
@@ -95,19 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _replace(obj, **changes):
   changes = {k: v for k, v in changes.items() if v is not None}
   return dataclasses.replace(obj, **changes) if changes else obj
-
-
-def _drafter(name: str, model):
-  if name == "eagle3":
-    return eagle3_drafter(model)
-  if name == "mtp":
-    return mtp_drafter(model)
-  if name == "ngram":
-    return ngram_drafter()
-  if name.startswith("draft:"):
-    return draft_model_drafter(get_model(name.split(":", 1)[1]))
-  raise ConfigError(f"drafter={name!r} is invalid: expected eagle3, mtp, ngram or "
-                    "draft:<model name>.")
 
 
 def _lengths(args, current):
@@ -166,9 +153,9 @@ def apply_overrides(setup: SimulationSetup, args) -> SimulationSetup:
   if speculation is not None:
     drafter = speculation.drafter
     if args.drafter or args.model:
-      kind = args.drafter or {"eagle3": "eagle3", "mtp": "mtp", "ngram": "ngram"}.get(
-          drafter.kind, "eagle3")
-      drafter = _drafter(kind, model)
+      kind = args.drafter or {"eagle3": "eagle3", "mtp": "mtp", "ngram": "ngram",
+                              "history": "history"}.get(drafter.kind, "eagle3")
+      drafter = drafter_spec(kind, model)
     k = args.k or speculation.num_draft_tokens
     acceptance = speculation.acceptance
     if args.acceptance_length is not None:

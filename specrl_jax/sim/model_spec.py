@@ -9,6 +9,7 @@ extras (EAGLE-3's fusion of three target layers, an n-gram lookup on the host).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from specrl_jax.config import (ModelConfig, check, check_finite_number, check_non_negative_int,
                                check_positive_int)
@@ -162,7 +163,9 @@ def get_model(name: str) -> ModelSpec:
   return MODELS[name]
 
 
-DRAFTER_KINDS = ("draft_model", "mtp", "eagle3", "ngram")
+DRAFTER_KINDS = ("draft_model", "mtp", "eagle3", "ngram", "history")
+# Drafters that match tokens and run no network of their own.
+MATCHING_KINDS = ("ngram", "history")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,8 +183,8 @@ class DrafterSpec:
   def __post_init__(self):
     owner = "DrafterSpec"
     validation.one_of(owner, "kind", self.kind, DRAFTER_KINDS)
-    check((self.step_network is None) == (self.kind == "ngram"), owner, "step_network",
-          self.step_network, "None exactly when kind='ngram'")
+    check((self.step_network is None) == (self.kind in MATCHING_KINDS), owner, "step_network",
+          self.step_network, f"None exactly when kind is one of {MATCHING_KINDS}")
     check_non_negative_int(owner, "round_matmul_params", self.round_matmul_params)
     check_finite_number(owner, "host_seconds_per_round", self.host_seconds_per_round, at_least=0)
 
@@ -229,3 +232,70 @@ def ngram_drafter(*, host_seconds_per_round: float = 2e-4) -> DrafterSpec:
   the paper measured it slower (0.7x / 0.5x): its engine paid costs not modelled here."""
   return DrafterSpec(kind="ngram", step_network=None,
                      host_seconds_per_round=host_seconds_per_round)
+
+
+def history_drafter() -> DrafterSpec:
+  """Rollout-history drafting (bank, siblings, the sequence itself): a suffix match
+  inside the compiled round, charged nothing beyond the target's verification."""
+  return DrafterSpec(kind="history", step_network=None)
+
+
+# `specrl simulate --drafter=NAME[:OPTION]`: NAME -> (target, OPTION) -> DrafterSpec.
+# `specrl train`'s drafter registry (rl/app/drafter_registry.py) names its kinds'
+# simulator specs by these keys, so the simulator never imports the RL stack.
+SimulatedDrafter = Callable[[ModelSpec, str], DrafterSpec]
+DRAFTER_SPECS: dict[str, SimulatedDrafter] = {}
+
+
+def register_drafter_spec(name: str) -> Callable[[SimulatedDrafter], SimulatedDrafter]:
+  """Registers how the simulator costs drafter ``name`` (``--drafter=name[:option]``)."""
+  def register(function: SimulatedDrafter) -> SimulatedDrafter:
+    if name in DRAFTER_SPECS:
+      raise ValueError(f"simulated drafter {name!r} is already registered")
+    DRAFTER_SPECS[name] = function
+    return function
+  return register
+
+
+def _no_option(name: str, option: str) -> None:
+  check(option == "", "DrafterSpec", name, option, f"no option (--drafter={name})")
+
+
+@register_drafter_spec("eagle3")
+def _eagle3(target: ModelSpec, option: str) -> DrafterSpec:
+  return eagle3_drafter(target, **({"draft_vocab_size": int(option)} if option else {}))
+
+
+@register_drafter_spec("mtp")
+def _mtp(target: ModelSpec, option: str) -> DrafterSpec:
+  _no_option("mtp", option)
+  return mtp_drafter(target)
+
+
+@register_drafter_spec("ngram")
+def _ngram(target: ModelSpec, option: str) -> DrafterSpec:
+  _no_option("ngram", option)
+  return ngram_drafter()
+
+
+@register_drafter_spec("history")
+def _history(target: ModelSpec, option: str) -> DrafterSpec:
+  _no_option("history", option)
+  return history_drafter()
+
+
+@register_drafter_spec("draft_model")
+def _draft_model(target: ModelSpec, option: str) -> DrafterSpec:
+  check(option != "", "DrafterSpec", "draft_model", option,
+        f"a model name after a colon, e.g. draft_model:qwen3-0.6b (one of {sorted(MODELS)})")
+  return draft_model_drafter(get_model(option))
+
+
+def drafter_spec(text: str, target: ModelSpec) -> DrafterSpec:
+  """The DrafterSpec of ``--drafter=NAME[:OPTION]`` for ``target`` ("draft:M" is the
+  older spelling of "draft_model:M")."""
+  name, _, option = text.partition(":")
+  name = "draft_model" if name == "draft" else name
+  check(name in DRAFTER_SPECS, "DrafterSpec", "kind", name,
+        f"one of {sorted(DRAFTER_SPECS)} (draft_model:<model name>)")
+  return DRAFTER_SPECS[name](target, option)

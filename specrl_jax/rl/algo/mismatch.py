@@ -20,7 +20,7 @@ def mismatch_metrics(learner_logprobs_BxT: Array, rollout_logprobs_BxT: Array,
   """logprob_mismatch_mean / _max: mean and max |rollout - learner| log-prob over
   response tokens; token_mult_prob_error: their mean exp(|difference|).
 
-  metric_weights_BxT: ``losses.valid_token_weights`` of the full batch, so sums over
+  metric_weights_BxT: ``aggregation.valid_token_weights`` of the full batch, so sums over
   micro-batches give full-batch means.
   """
   valid_BxT = mask_BxT.astype(bool)

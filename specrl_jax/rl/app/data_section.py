@@ -8,13 +8,20 @@ its held-out split (``--dataset`` / ``--reward`` on the command line).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from specrl_jax.config import (check, check_finite_number, check_non_negative_int,
                                check_positive_int, is_finite_number, is_integer)
 from specrl_jax.models.text_tokenizer import TextTokenizer
-from specrl_jax.rl.tasks.dataset import read_records, split_records
+from specrl_jax.rl.tasks.dataset import read_records, split_indices
 from specrl_jax.rl.tasks.dataset_task import DatasetTask
 from specrl_jax.rl.tasks.rewards import resolve_reward
+from specrl_jax.rl.tasks.row_checks import BadRowsError, RowReport, check_rows, refuse
+
+ON_BAD_ROWS = ("error", "skip")
+# Rewards whose calls can hold the GIL past any thread timeout (sympy's big-integer
+# powers): run in worker processes unless reward_workers says otherwise.
+WORKER_REWARDS = ("math_verify",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,8 +35,15 @@ class DataSection:
   (chosen with seed); eval_every: evaluate every this many RL steps (0 = never),
   eval_k samples per held-out prompt, on at most eval_max_prompts of them (0 = all).
   reward: built-in name, module:function or file.py:function (see rl.tasks.rewards);
-  reward_timeout: seconds per call; reward_threads: calls at once; a sample is
-  correct for pass@k when its reward is >= correct_threshold.
+  reward_timeout: seconds per call; reward_threads: calls at once; reward_workers:
+  run the calls in this many worker processes (0: on threads of this process; None:
+  reward_threads workers for math_verify, else 0), each allowed reward_memory_mb more
+  memory (None: no limit); a sample is correct for pass@k when its reward is >=
+  correct_threshold. on_bad_rows: rows that cannot be used (``rl.tasks.row_checks``)
+  are an error naming them ("error"), or are reported and left out ("skip"; the
+  metric data_skipped_rows counts them).
+  allow_changed_dataset: resume although the dataset's rows changed since the run
+  began (``rl.app.data_fingerprint``), the rows held out so far kept held out.
   """
   path: str = ""
   prompt_field: str = "prompt"
@@ -45,13 +59,19 @@ class DataSection:
   reward: str = "exact_match"
   reward_timeout: float = 60.0
   reward_threads: int = 4
+  reward_workers: int | None = None
+  reward_memory_mb: int | None = None  # extra memory each reward worker may use (None: no limit)
+  on_bad_rows: str = "error"
   correct_threshold: float = 1.0  # a sample counts as correct for pass@k at this reward or above
   max_prompt_tokens: int = 512  # rows whose prompt is longer are left out
   max_response_tokens: int = 256  # tokens a rollout may generate
   seed: int = 0  # seed of the held-out split
+  allow_changed_dataset: bool = False
 
   def __post_init__(self):
     owner = "DataSection"
+    check(isinstance(self.allow_changed_dataset, bool), owner, "allow_changed_dataset",
+          self.allow_changed_dataset, "True or False")
     for name in ("path", "prompt_field", "answer_field", "system_field", "system_prompt",
                  "solution_field", "eval_path", "reward"):
       check(isinstance(getattr(self, name), str), owner, name, getattr(self, name), "a string")
@@ -69,6 +89,14 @@ class DataSection:
           "max_prompt_tokens", self.max_prompt_tokens, "an integer >= 2")
     check_finite_number(owner, "reward_timeout", self.reward_timeout, above=0, why="(seconds)")
     check_finite_number(owner, "correct_threshold", self.correct_threshold)
+    check(self.on_bad_rows in ON_BAD_ROWS, owner, "on_bad_rows", self.on_bad_rows,
+          f"one of {ON_BAD_ROWS}")
+    if self.reward_workers is not None:
+      check_non_negative_int(owner, "reward_workers", self.reward_workers)
+    if self.reward_memory_mb is not None:
+      check_positive_int(owner, "reward_memory_mb", self.reward_memory_mb)
+      check(self.workers > 0, owner, "reward_memory_mb", self.reward_memory_mb,
+            "None unless the reward runs in worker processes (--data.reward_workers=N)")
     check(not (self.eval_every and not self.has_eval), owner, "eval_every", self.eval_every,
           "0 unless held-out rows are given (eval_path or eval_fraction > 0)")
 
@@ -76,25 +104,63 @@ class DataSection:
   def has_eval(self) -> bool:
     return bool(self.eval_path) or self.eval_fraction > 0
 
-  def make(self, text_tokenizer: TextTokenizer) -> tuple[DatasetTask, DatasetTask | None]:
-    """(training task, held-out task or None) over the dataset's rows."""
+  @property
+  def workers(self) -> int:
+    """Reward worker processes (see reward_workers)."""
+    if self.reward_workers is not None:
+      return self.reward_workers
+    return self.reward_threads if self.reward in WORKER_REWARDS else 0
+
+  def make(self, text_tokenizer: TextTokenizer, log: Callable[[str], None] = print,
+           held_out_rows: set[int] | None = None) -> tuple[DatasetTask, DatasetTask | None]:
+    """(training task, held-out task or None) over the dataset's usable rows: the
+    unusable ones are refused, or reported with ``log`` and left out (on_bad_rows).
+    The held-out split is drawn over all of the file's rows, so skipping a row never
+    moves another between training and evaluation; held_out_rows: the row numbers to
+    hold out instead of drawing eval_fraction of them (a resumed run's, on a dataset
+    that changed)."""
     required = [self.prompt_field, self.answer_field] + [
         name for name in (self.system_field, self.solution_field) if name]
+    fn, name = resolve_reward(self.reward)  # a module that fails to import: before any work
     records = read_records(self.path, required=required)
-    held_out = None
+    task = self._task(records, text_tokenizer, fn, name)
+    reports = [check_rows(task, source=self.path)]
+    train_rows, held = range(len(records)), None
     if self.eval_path:
-      held_out = read_records(self.eval_path, required=required)
+      held = task.with_records(read_records(self.eval_path, required=required))
+      reports.append(check_rows(held, source=self.eval_path))
+      held_rows = range(len(held.records))
     elif self.eval_fraction > 0:
-      records, held_out = split_records(records, eval_fraction=self.eval_fraction,
-                                        seed=self.seed)
-    fn, name = resolve_reward(self.reward)
-    task = DatasetTask(records=tuple(records), text_tokenizer=text_tokenizer, reward_fn=fn,
-                       reward_name=name, prompt_field=self.prompt_field,
+      train_rows, held_rows = split_indices(len(records), eval_fraction=self.eval_fraction,
+                                            seed=self.seed, held_out=held_out_rows)
+      held = task
+    bad = [report for report in reports if report.bad]
+    if bad and self.on_bad_rows == "error":
+      raise refuse(bad[0])
+    for report in bad:
+      log(f"warning: --data.on_bad_rows=skip: {report.summary()}; they are left out")
+    skipped = sum(len(report.bad) for report in reports)
+    train = _usable(task, train_rows, reports[0], "to train on", skipped)
+    if held is None:
+      return train, None
+    return train, _usable(held, held_rows, reports[-1], "held out", skipped)
+
+  def _task(self, records, text_tokenizer, fn, name) -> DatasetTask:
+    return DatasetTask(records=tuple(records), text_tokenizer=text_tokenizer, reward_fn=fn,
+                       reward_name=name, reward_spec=self.reward, prompt_field=self.prompt_field,
                        answer_field=self.answer_field,
                        solution_field=self.solution_field or None,
                        system_field=self.system_field or None,
                        system_prompt=self.system_prompt or None,
                        max_prompt_length=self.max_prompt_tokens,
                        max_response_length=self.max_response_tokens,
-                       timeout=self.reward_timeout, threads=self.reward_threads)
-    return task, task.with_records(held_out) if held_out else None
+                       timeout=self.reward_timeout, threads=self.reward_threads,
+                       workers=self.workers, memory_limit_mb=self.reward_memory_mb)
+
+
+def _usable(task: DatasetTask, rows, report: RowReport, role: str, skipped: int) -> DatasetTask:
+  """``task`` over its ``rows`` that ``report`` found usable; an error if none is."""
+  kept = [task.records[i] for i in rows if i not in report.bad_rows]
+  if not kept:
+    raise BadRowsError(f"{report.summary()}; no usable row is left {role}")
+  return dataclasses.replace(task, records=tuple(kept), skipped_rows=skipped)

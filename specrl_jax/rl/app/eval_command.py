@@ -26,10 +26,9 @@ from flax import nnx
 
 from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError
-from specrl_jax.rl.app import run_directory
+from specrl_jax.rl.app import command_errors, run_directory
 from specrl_jax.rl.loop.evaluation import evaluate
 from specrl_jax.rl.app.experiment import PRESETS, apply_overrides, from_dict
-from specrl_jax.rl.tasks import RewardFunctionError
 
 # Options of the command itself; anything else is a --section.field override.
 OPTIONS = {"--checkpoint": str, "--k": int, "--temperature": float, "--seed": int,
@@ -63,6 +62,9 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
 def _policy_and_task(path: str, overrides: list[str], split: str):
   """(policy model, task to evaluate, checkpoint step or None, correct threshold)."""
   from specrl_jax.rl.app.train_command import Session  # the RL stack, only when needed
+  if not os.path.exists(path):
+    raise ConfigError(f"--checkpoint={path} does not exist: give a `specrl train` run "
+                      "directory or a Hugging Face model folder")
   record = run_directory.read_json(os.path.join(path, run_directory.CONFIG))
   is_run = record is not None and "rl" in record
   if is_run:
@@ -90,7 +92,7 @@ def _policy_and_task(path: str, overrides: list[str], split: str):
     manager.close()
   graphdef = nnx.split(models.policy)[0]
   step = int(jax.device_get(state.step))
-  model = nnx.merge(graphdef, jax.device_get(state.params))
+  model = nnx.merge(graphdef, jax.device_get(state.compute_params()))  # LoRA: merged
   return model, task, step, config.data.correct_threshold
 
 
@@ -106,8 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = evaluate(model, task, k=options["--k"], temperature=options["--temperature"],
                       seed=options["--seed"], threshold=threshold,
                       max_prompts=options["--max_prompts"])
-  except (ConfigError, RewardFunctionError) as error:
-    print(f"specrl eval: {type(error).__name__}: {error}", file=sys.stderr)
+  except command_errors.USER_ERRORS as error:
+    if command_errors.reraise():
+      raise
+    print(f"specrl eval: {command_errors.one_line(error)}", file=sys.stderr)
     return 1
   print(json.dumps({"checkpoint": options["--checkpoint"], "step": step, "k": options["--k"],
                     **result}, indent=2))

@@ -17,6 +17,7 @@ from specrl_jax.config import (ConfigError, ModelConfig, SamplingParams, check,
                                check_finite_number, check_non_negative_int,
                                check_positive_int)
 from specrl_jax.models import tokenizer
+from specrl_jax.rl.app import drafter_registry
 from specrl_jax.rl.app.data_section import DataSection
 from specrl_jax.rl.loop.learner import LearnerConfig
 from specrl_jax.rl.algo.losses import GRPOConfig
@@ -24,6 +25,7 @@ from specrl_jax.rl.app.overrides import apply_overrides, from_dict_of, to_dict  
 from specrl_jax.rl.loop.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
 from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.speculative.drafters.history_store import HistoryConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,31 +55,45 @@ class ModelSection:
                        head_dim=self.head_dim, max_position_embeddings=512)
 
 
-DRAFTER_KINDS = ("none", "draft_model", "ngram")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterSection:
-  """kind: "none" (plain rollouts), "draft_model" (``model``, distilled from the
-  warm-started policy) or "ngram"; online: keep training the draft model during RL."""
+  """The rollouts' drafter, by registry name (``rl.app.drafter_registry``):
+  kind: "none" (plain rollouts), "ngram", "history", "draft_model", "eagle3" or "mtp".
+  path: pretrained weights of a draft_model (a Hugging Face folder sharing the policy's
+    tokenizer), eagle3 (a SpecForge checkpoint or a saved head) or mtp (a saved head);
+    '' trains them: draft_model distilled from the policy in the warm start (drafter
+    ``model``'s sizes), eagle3 / mtp from scratch on the policy's hidden states.
+  online: learned drafters keep training on each step's rollouts during RL.
+  fallback: for kind "history", the kind that drafts where the history has no match
+    (path, model and online apply to it); history: the history drafter's sizes.
+  """
   kind: str = "draft_model"
+  path: str = ""
+  fallback: str = "none"
   num_draft_tokens: int = 3
   online: bool = True
   loss_weight: float = 1.0
   model: ModelSection = ModelSection(hidden_size=64, intermediate_size=128, num_layers=1,
                                      num_heads=2, num_kv_heads=1, head_dim=32, seed=1)
   ngram_n: int = 3
+  history: HistoryConfig = HistoryConfig()
 
   def __post_init__(self):
     owner = "DrafterSection"
-    check(self.kind in DRAFTER_KINDS, owner, "kind", self.kind, f"one of {DRAFTER_KINDS}")
+    drafter_registry.drafter_kind(self.kind)  # names the registered kinds
+    check(isinstance(self.path, str), owner, "path", self.path, "a folder path or ''")
+    check(isinstance(self.fallback, str), owner, "fallback", self.fallback, "a drafter kind")
     check_positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
     check_finite_number(owner, "loss_weight", self.loss_weight, at_least=0)
     check(isinstance(self.online, bool), owner, "online", self.online, "True or False")
     check_positive_int(owner, "ngram_n", self.ngram_n)
+    check(isinstance(self.history, HistoryConfig), owner, "history", self.history,
+          "a HistoryConfig")
+    check(self.fallback == "none" or self.kind == "history", owner, "fallback",
+          self.fallback, "'none' unless kind='history'")
     check(isinstance(self.model, ModelSection) and self.model.path == "", owner, "model.path",
           getattr(self.model, "path", self.model),
-          "'' (the draft model is a fresh model of model's sizes, distilled from the policy)")
+          "'' (a pretrained draft model is given by --drafter.path=HF_FOLDER)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -317,7 +333,10 @@ PRESETS: dict[str, ExperimentConfig] = {
 def experiment_config(preset: str = "demo", overrides: Sequence[str] = ()) -> ExperimentConfig:
   if preset not in PRESETS:
     raise ConfigError(f"preset={preset!r} is invalid: expected one of {sorted(PRESETS)}.")
-  return apply_overrides(PRESETS[preset], overrides)
+  config = apply_overrides(PRESETS[preset], overrides)
+  # After every override: the drafter's checks read other sections too.
+  drafter_registry.check_section(config.drafter, config)
+  return config
 
 
 def from_dict(record: dict[str, Any]) -> ExperimentConfig:

@@ -5,7 +5,7 @@ records (where the step is in the data, a few scored samples, periodic evaluatio
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -14,10 +14,21 @@ from flax import nnx
 from specrl_jax.config import ConfigError
 from specrl_jax.models import tokenizer
 from specrl_jax.models.text_tokenizer import TextTokenizer
+from specrl_jax.models.hf import read_hf_model_config
 from specrl_jax.rl.app import run_directory
+from specrl_jax.rl.app.data_fingerprint import Fingerprint
+from specrl_jax.rl.app.data_fingerprint import recorded as data_fingerprint_record
 from specrl_jax.rl.loop.evaluation import evaluate
 from specrl_jax.rl.app.experiment import ExperimentConfig
+from specrl_jax.parallel import distributed
 from specrl_jax.rl.tasks import DatasetTask, PromptSet, Task
+from specrl_jax.rl.tasks.python_reward import take_failures
+from specrl_jax.rl.tasks.row_checks import check_rows, refuse
+
+
+def _log(message: str) -> None:
+  if distributed.is_primary():
+    print(message, flush=True)
 
 
 def policy_tokenizer(config: ExperimentConfig) -> TextTokenizer:
@@ -35,14 +46,57 @@ def policy_tokenizer(config: ExperimentConfig) -> TextTokenizer:
   return text_tokenizer
 
 
-def run_tasks(config: ExperimentConfig, text_tokenizer: TextTokenizer, task: Task | None
+def policy_positions(config: ExperimentConfig) -> int:
+  """The policy's max_position_embeddings; its Hugging Face folder (config.json, the
+  weights' headers, the architecture) is checked now, before any work."""
+  if not config.policy.path:
+    return config.policy.model_config().max_position_embeddings
+  return read_hf_model_config(config.policy.path).max_position_embeddings
+
+
+def data_fingerprint(config: ExperimentConfig, task: Task | None, resuming: bool,
+                     log: Callable[[str], None]) -> Fingerprint | None:
+  """The fingerprint of the dataset the run reads (None: a given or built-in task),
+  checked against the run directory's when ``resuming``."""
+  if task is not None or not config.data.path:
+    return None
+  fingerprint = Fingerprint(config.data)
+  recorded = data_fingerprint_record(config.output.directory)
+  if resuming and recorded is not None:
+    fingerprint.resume(recorded, log)
+  return fingerprint
+
+
+def check_lengths(config: ExperimentConfig, task: Task, prompt_set: PromptSet,
+                  positions: int) -> None:
+  """Refuses prompts plus responses longer than the policy has positions for."""
+  longest = max((len(p) for p in prompt_set.prompts), default=0)
+  response = task.max_response_tokens
+  if longest + response > positions:
+    where = f"{config.policy.path}/config.json" if config.policy.path else "the policy section"
+    raise ConfigError(
+        f"the longest prompt ({longest} tokens) plus {response} response tokens is "
+        f"{longest + response} positions, past the policy's max_position_embeddings="
+        f"{positions} ({where}): lower --data.max_response_tokens to at most "
+        f"{max(positions - longest, 0)}, or --data.max_prompt_tokens")
+
+
+def run_tasks(config: ExperimentConfig, text_tokenizer: TextTokenizer, task: Task | None,
+              log: Callable[[str], None] = _log, fingerprint: Fingerprint | None = None
               ) -> tuple[Task, DatasetTask | None]:
   """(training task, held-out task or None): ``task`` when given, else the dataset's
-  (``data.path``), else the built-in ``task`` section's; checked against the
-  policy's tokenizer."""
+  (``data.path``, its unusable rows refused or reported: ``data.on_bad_rows``; held out
+  as ``fingerprint`` says), else the built-in ``task`` section's; checked against the
+  policy's tokenizer. A dataset task given directly must have no unusable row (nothing
+  is dropped unreported)."""
   held_out = None
   if task is None and config.data.path:
-    task, held_out = config.data.make(text_tokenizer)
+    task, held_out = config.data.make(
+        text_tokenizer, log=log, held_out_rows=fingerprint.held_out if fingerprint else None)
+  elif isinstance(task, DatasetTask):
+    report = check_rows(task, source="the task's records")
+    if report.bad:
+      raise refuse(report)
   task = task if task is not None else config.task.make()
   task.check_tokenizer(text_tokenizer)
   return task, held_out
@@ -74,16 +128,24 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
   """The data records of step ``step`` for its metrics line: ``data`` (position),
   ``samples`` (a few scored ones, dataset tasks) and, every ``data.eval_every``
   steps, the held-out split's ``eval_*`` metrics under the updated policy."""
-  records: dict[str, Any] = {
-      "data": data_position(prompt_set, indices, step, config.rl.prompts_per_step)}
-  samples = task.take_samples() if isinstance(task, DatasetTask) else []
+  position = data_position(prompt_set, indices, step, config.rl.prompts_per_step)
+  records: dict[str, Any] = {"data": position}
+  samples = task.take_samples(position["rows"]) if isinstance(task, DatasetTask) else []
   if samples:
     records["samples"] = samples
+  if isinstance(task, DatasetTask) and task.skipped_rows:
+    records["data_skipped_rows"] = task.skipped_rows
+  failures = take_failures()  # samples scored 0 because their worker timed out or died
+  for line in failures:
+    _log(f"warning: step {step}: {line}")
+  if failures or (isinstance(task, DatasetTask) and task.workers):
+    records["reward_failures"] = len(failures)
   every = config.data.eval_every
   # One process's evaluation: the weights of a multi-process mesh are not all here.
   if (held_out is not None and every and (step + 1) % every == 0
       and jax.process_count() == 1):
-    model = nnx.merge(graphdef, jax.device_get(state.params))
+    # The weights the rollouts sample with: a LoRA state's base merged with its adapters.
+    model = nnx.merge(graphdef, jax.device_get(state.compute_params()))
     result = evaluate(model, held_out, k=config.data.eval_k,
                       temperature=config.rl.temperature, seed=step,
                       threshold=config.data.correct_threshold,

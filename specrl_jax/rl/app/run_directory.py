@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from specrl_jax.config import ConfigError
+from specrl_jax.rl.app import drafter_registry
 
 CONFIG = "config.json"
 WARM_START_KEY = "key.json"
@@ -30,7 +31,8 @@ WARM_START_KEY = "key.json"
 # would continue one experiment's state under another's settings.
 RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices",
              "learner.remat", "learner.num_micro_batches", "output.",
-             "data.eval_every", "data.eval_k", "data.eval_max_prompts")
+             "data.eval_every", "data.eval_k", "data.eval_max_prompts",
+             "data.allow_changed_dataset")
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -49,7 +51,13 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any],
                 ) -> list[str]:
   """"field: old -> new" for every field that differs (and is not under ``ignore``);
   a field ``old`` lacks (recorded before it existed) reads as its value in ``defaults``."""
-  old, new = {**flatten(defaults or {}), **flatten(old)}, flatten(new)
+  recorded, new = flatten(old), flatten(new)
+  # A default of None for an optional section (learner.lora) is not a field the record
+  # lacks when the record holds that section's fields (learner.lora.rank), nor the
+  # other way round.
+  filled = {name: value for name, value in flatten(defaults or {}).items()
+            if not _overlaps(name, recorded)}
+  old = {**filled, **recorded}
   lines = []
   for name in sorted(set(old) | set(new)):
     if any(name == i or (i.endswith(".") and name.startswith(i)) for i in ignore):
@@ -57,6 +65,12 @@ def differences(old: Mapping[str, Any], new: Mapping[str, Any],
     if old.get(name, "<absent>") != new.get(name, "<absent>"):
       lines.append(f"{name}: {old.get(name, '<absent>')!r} -> {new.get(name, '<absent>')!r}")
   return lines
+
+
+def _overlaps(name: str, flat: Mapping[str, Any]) -> bool:
+  """Whether ``flat`` holds ``name``, a field inside it, or a section holding it."""
+  return name in flat or any(other.startswith(f"{name}.") or name.startswith(f"{other}.")
+                             for other in flat)
 
 
 def write_json(path: str, record: Mapping[str, Any]) -> None:
@@ -102,13 +116,14 @@ def check_resumable(directory: str, checkpoint_steps: list[int],
 
 def warm_start_key(config: Mapping[str, Any]) -> dict[str, Any]:
   """The part of an experiment config (as a dict) that determines its warm start."""
-  drafter = dict(config["drafter"])
   key = {"policy": config["policy"], "task": config["task"],
-         "warm_start": config["warm_start"], "drafter_kind": drafter["kind"]}
+         "warm_start": config["warm_start"]}
   if config.get("data", {}).get("path"):  # SFT reads the dataset's solutions
-    key["data"] = config["data"]
-  if drafter["kind"] == "draft_model":
-    key["draft_model"] = drafter["model"]
+    key["data"] = {name: value for name, value in config["data"].items()
+                   if name != "allow_changed_dataset"}  # how a resume may go on, not data
+  drafter = drafter_registry.warm_start_key(dict(config["drafter"]))
+  if drafter is not None:  # what the warm start trains of the drafter (the registry says)
+    key["drafter"] = drafter
   return key
 
 

@@ -53,20 +53,26 @@ def _count(n: int) -> str:
 def _drafter_line(config: ExperimentConfig, vocab_size: int) -> str:
   drafter = config.drafter
   k = f"{drafter.num_draft_tokens} draft tokens per round"
+  online = ", trained online during RL" if drafter.online else ""
   if drafter.kind == "none":
     return "none: plain decoding"
   if drafter.kind == "ngram":
     return f"ngram (n={drafter.ngram_n}, from each prompt and its response so far), {k}"
+  if drafter.kind == "history":
+    fallback = f", else {drafter.fallback}" if drafter.fallback != "none" else ""
+    return (f"history (earlier rollouts of the same prompt, its siblings, the sequence "
+            f"itself{fallback}), {k}")
+  if drafter.path:
+    return f"{drafter.kind}: pretrained, loaded from {drafter.path}{online}; {k}"
   if drafter.kind == "draft_model":
     model = drafter.model
     size = _count(parameter_count(model.model_config(vocab_size)))
     source = (f"distilled from the policy for {config.warm_start.distill_steps} steps"
               if config.warm_start.distill_steps else
               "not distilled (warm_start.distill_steps=0: it starts untrained)")
-    online = ", trained online during RL" if drafter.online else ""
     return (f"draft_model: a fresh {model.num_layers}-layer {model.hidden_size}-wide model "
             f"({size} parameters), {source}{online}; {k}")
-  return f"{drafter.kind}, {k}"
+  return f"{drafter.kind}: a fresh head on the policy's hidden states{online}; {k}"
 
 
 def plan_lines(config: ExperimentConfig, *, vocab_size: int, rows: DataRows,

@@ -17,9 +17,9 @@ from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError, SpecConfig
-from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
-from specrl_jax.rl.app import run_data, run_directory, run_plan
+from specrl_jax.rl.app import data_fingerprint, run_data, run_directory, run_plan
+from specrl_jax.rl.app.drafter_registry import build_drafter
 from specrl_jax.rl.app.experiment import ExperimentConfig, to_dict
 from specrl_jax.rl.app.guards import CollapseDetector, check_step
 from specrl_jax.rl.app.meshes import check_layout, checkpoint_mesh, run_meshes
@@ -29,7 +29,7 @@ from specrl_jax.rl.app.warm_start import Models, fresh_models, warm_start
 from specrl_jax.rl.loop import numerics
 from specrl_jax.rl.loop.async_pipeline import AsyncPipeline
 from specrl_jax.rl.loop.learner import TrainState, abstract_train_state, init_train_state
-from specrl_jax.rl.loop.online_drafters import OnlineDrafter, online_drafter
+from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 from specrl_jax.rl.loop.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, Task, make_prompt_set, step_indices
 
@@ -47,9 +47,13 @@ class Session:
     self.config = config
     self.log = log
     self.on_step = on_step
+    self.policy_positions = run_data.policy_positions(config)  # checks the folder first
     # The policy's own tokenizer drives prompts, stop tokens and decoding.
     self.text_tokenizer = run_data.policy_tokenizer(config)
-    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task)
+    self.fingerprint = run_data.data_fingerprint(
+        config, task, config.output.resume and bool(self.checkpoint_steps()), log)
+    self.task, self.eval_task = run_data.run_tasks(config, self.text_tokenizer, task, log=log,
+                                                   fingerprint=self.fingerprint)
     self.prompt_set: PromptSet = make_prompt_set(
         self.task, config.task.num_prompts, seed=config.task.seed,
         max_prompt_tokens=self.task.max_prompt_tokens)
@@ -101,6 +105,7 @@ class Session:
                         "directory (or a path to create one at), not a file.")
     check_layout(self.config.rl, *self.meshes())
     run_data.check_data(self.config)
+    run_data.check_lengths(self.config, self.task, self.prompt_set, self.policy_positions)
     self.check_resumable()
 
   def plan(self) -> list[str]:
@@ -134,17 +139,10 @@ class Session:
   # ------------------------------------------------------------ RL pieces
 
   def drafter_for(self, models: Models):
-    """(drafter or None, online drafter or None) as the config asks."""
-    c = self.config.drafter
-    if c.kind == "none":
-      return None, None
-    if c.kind == "ngram":
-      return NGram(n=c.ngram_n), None
-    drafter = DraftModel(models.draft)
-    if not c.online:
-      return drafter, None
-    return drafter, online_drafter(drafter, sampling=self.rollout_config.sampling,
-                                   loss_weight=c.loss_weight)
+    """(drafter or None, online drafter or None) as the config asks
+    (``rl.app.drafter_registry``)."""
+    return build_drafter(self.config, models.policy, models.draft,
+                         sampling=self.rollout_config.sampling, log=self.log)
 
   def meshes(self):
     """(train mesh, rollout mesh or None for sync)."""
@@ -196,14 +194,10 @@ class Session:
     abstract = self._abstract_state(models, online, checkpoint_mesh)
     first_bad = jax.jit(numerics.first_nonfinite_leaf)
     for step in reversed(manager.all_steps()):
-      try:
-        state, in_flight = manager.restore_with_in_flight(abstract, step=step)
-      except Exception as error:  # orbax raises whatever its reader hit
-        raise ConfigError(
-            f"checkpoint step {step} in {manager.directory} does not fit this "
-            f"configuration's train state ({type(error).__name__}: {str(error)[:300]}); "
-            "resume with the configuration that wrote it, or --output.resume=false."
-        ) from error
+      restored = self.restore_step(manager, abstract, step)
+      if restored is None:
+        continue
+      state, in_flight = restored
       bad = int(distributed.fetch(first_bad(state)))
       if bad < 0:
         break
@@ -221,6 +215,29 @@ class Session:
                "older version): they are generated anew from its weights, so this run "
                "departs from an uninterrupted one")
     return state, in_flight
+
+  def restore_step(self, manager, abstract, step: int):
+    """(state, in_flight) of checkpoint ``step``; None when its files are damaged (it
+    is set aside with a warning, so the one before is tried). Raises ConfigError for
+    a checkpoint that does not fit this configuration's train state."""
+    try:
+      return manager.restore_with_in_flight(abstract, step=step)
+    except Exception as error:  # orbax raises whatever its reader hit
+      failure = f"{type(error).__name__}: {str(error)[:300]}"
+      try:
+        mismatch = manager.layout_mismatch(abstract, step)
+      except checkpoint.CheckpointDamagedError as damage:
+        mismatch, failure = None, str(damage)
+      if mismatch is not None:
+        raise ConfigError(
+            f"checkpoint step {step} in {manager.directory} does not fit this "
+            f"configuration's train state ({mismatch}; {failure}); resume with the "
+            "configuration that wrote it, or --output.resume=false.") from error
+    moved = manager.set_aside(step)
+    self.log(f"warning: checkpoint step {step} in {manager.directory} is damaged (its "
+             f"arrays fit this configuration but cannot be read back: {failure[:200]}): "
+             f"moved to {moved}, resuming from the checkpoint before it")
+    return None
 
   # ------------------------------------------------------------ training
 
@@ -243,6 +260,8 @@ class Session:
       raise
     if distributed.is_primary():  # only now: the state it describes exists, restored or new
       run_directory.write_json(os.path.join(self.directory, run_directory.CONFIG), self.record)
+      if self.fingerprint is not None:
+        data_fingerprint.write(self.directory, self.fingerprint)
     start = int(distributed.fetch(state.step))  # the train mesh may be on other processes
     outputs = open_run_outputs(self.config, manager, start, primary=distributed.is_primary())
     try:

@@ -29,25 +29,22 @@ plots. See docs/multihost.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
 from specrl_jax.compile_cache import cache_directory, persistent_cache
-from specrl_jax.config import ConfigError
 from specrl_jax.parallel import distributed
-from specrl_jax.parallel.distributed import DistributedError
 from specrl_jax.parallel.launch import DISTRIBUTED_FLAGS, parse_distributed_argv  # noqa: F401
-from specrl_jax.rl.app import config_help
+from specrl_jax.rl.app import command_errors, config_help, run_lock
 from specrl_jax.rl.app.experiment import PRESETS, to_dict
 from specrl_jax.rl.app.guards import TrainingDivergedError
 from specrl_jax.rl.app.session import Models, Session
 from specrl_jax.rl.app.train_argv import parse_argv
-from specrl_jax.rl.loop.async_pipeline import StalePolicyError
-from specrl_jax.rl.tasks import RewardFunctionError
-from specrl_jax.sampling.results import PagePoolExhaustedError
 
 __all__ = ["Models", "Session", "TrainingDivergedError", "main", "parse_argv"]
 
@@ -57,31 +54,43 @@ def main(argv: Sequence[str] | None = None) -> int:
   if any(a in ("-h", "--help") for a in argv):
     return print_help([a for a in argv if a not in ("-h", "--help")])
   try:
-    launch, argv = parse_distributed_argv(argv)
     if "--print-config" in argv:
-      config = parse_argv([a for a in argv if a != "--print-config"])
+      config = parse_argv(parse_distributed_argv([a for a in argv if a != "--print-config"])[1])
       print(json.dumps(to_dict(config), indent=2))
       return 0
-    if launch is not None:
-      distributed.initialize(launch)
-    config = parse_argv(argv)
-    if jax.process_count() > 1:
-      distributed.check_same_on_all_processes(json.dumps(to_dict(config), sort_keys=True),
-                                              "the run configuration")
-    session = Session(config, log=print if distributed.is_primary() else (lambda _: None))
-    session.check()  # what cannot work fails now, not after the warm start
-    session.announce()
-    with persistent_cache(cache_directory(config.output.compilation_cache,
-                                          config.output.directory)):
-      models = session.warm_start()
-      summary = session.train(models)
-  except (ConfigError, TrainingDivergedError, RewardFunctionError, StalePolicyError,
-          PagePoolExhaustedError, DistributedError) as error:
-    print(f"specrl train: {type(error).__name__}: {error}", file=sys.stderr)
+    summary = _train(argv)
+  except command_errors.USER_ERRORS as error:
+    if command_errors.reraise():
+      raise
+    print(f"specrl train: {command_errors.one_line(error)}", file=sys.stderr)
     return 1
   if summary is not None:
     print(json.dumps(summary, indent=2))
   return 0
+
+
+def _train(argv: list[str]) -> dict[str, Any] | None:
+  """The run of ``argv``: checked, its directory locked, its plan printed, warm start
+  and GRPO; the summary (process 0) or None."""
+  launch, argv = parse_distributed_argv(argv)
+  if launch is not None:
+    distributed.initialize(launch)
+  config = parse_argv(argv)
+  if jax.process_count() > 1:
+    distributed.check_same_on_all_processes(json.dumps(to_dict(config), sort_keys=True),
+                                            "the run configuration")
+  log = print if distributed.is_primary() else (lambda _: None)
+  session = Session(config, log=log)
+  cache = cache_directory(config.output.compilation_cache, config.output.directory)
+  command_errors.check_cache_path(cache)
+  # Process 0 holds the lock for all: the others write only checkpoint shards.
+  lock = (run_lock.held(config.output.directory, log=log) if distributed.is_primary()
+          else contextlib.nullcontext())
+  with lock:
+    session.check()  # what cannot work fails now, not after the warm start
+    session.announce()
+    with persistent_cache(cache):
+      return session.train(session.warm_start())
 
 
 def print_help(argv: Sequence[str]) -> int:
@@ -91,8 +100,8 @@ def print_help(argv: Sequence[str]) -> int:
   print(f"presets: {sorted(PRESETS)}")
   try:
     config, note = parse_argv(parse_distributed_argv(argv)[1]), ""
-  except (ConfigError, DistributedError) as error:
-    config, note = PRESETS["demo"], f" (the demo preset's: {error})"
+  except command_errors.USER_ERRORS as error:
+    config, note = PRESETS["demo"], f" (the demo preset's: {command_errors.one_line(error)})"
   print(f"\nfields, as --section.field=value, with the defaults of this command line{note}:")
   print(config_help.help_text(config))
   return 0

@@ -1,5 +1,5 @@
-"""The warm start of `specrl train`: SFT of the policy, distillation of the draft model,
-cached in <directory>/warm_start under the configuration that produced it.
+"""The warm start of `specrl train`: SFT of the policy, distillation of the draft model
+(when the drafter registry says the drafter distils one), cached in <directory>/warm_start under the configuration that produced it.
 
 The cache is used only when its key.json (``run_directory.warm_start_key``) equals
 the current configuration's; otherwise it is rebuilt, and the log says why. It is
@@ -25,7 +25,7 @@ from specrl_jax import checkpoint
 from specrl_jax.models.hf import load_hf
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.parallel import distributed
-from specrl_jax.rl.app import run_directory
+from specrl_jax.rl.app import drafter_registry, run_directory
 from specrl_jax.rl.loop import sft
 from specrl_jax.rl.app.experiment import ExperimentConfig
 from specrl_jax.rl.tasks import Task
@@ -33,23 +33,24 @@ from specrl_jax.rl.tasks import Task
 
 @dataclasses.dataclass
 class Models:
-  """The warm-started policy and (for the draft-model drafter) its draft model."""
+  """The warm-started policy and the drafter's network where it has one of its own
+  (a draft model: distilled here, or pretrained and loaded as it is)."""
   policy: Transformer
   draft: Transformer | None
 
 
 def fresh_models(config: ExperimentConfig) -> Models:
-  """The policy (the Hugging Face folder ``policy.path``, else a fresh model) and a
-  fresh draft model over the policy's vocabulary, before any warm start."""
+  """The policy (the Hugging Face folder ``policy.path``, else a fresh model) and the
+  drafter's network (``drafter_registry.draft_network``), before any warm start. The
+  drafter's files are checked first, so that a mismatched one is refused before any
+  model is loaded or anything compiles."""
+  drafter_registry.check_section(config.drafter, config)
+  drafter_registry.check_files(config)
   if config.policy.path:
     policy = load_hf(config.policy.path)
   else:
     policy = Transformer(config.policy.model_config(), rngs=nnx.Rngs(config.policy.seed))
-  draft = None
-  if config.drafter.kind == "draft_model":
-    model = config.drafter.model
-    draft = Transformer(model.model_config(vocab_size=policy.config.vocab_size),
-                        rngs=nnx.Rngs(model.seed))
+  draft = drafter_registry.draft_network(config, policy.config.vocab_size)
   return Models(policy=policy, draft=draft)
 
 
@@ -79,7 +80,7 @@ def _train(models: Models, config: ExperimentConfig, task: Task,
                       seed=config.task.seed),
         progress="warm start: SFT policy" if bars else None)
     log(f"warm start: SFT {c.sft_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-  if models.draft is not None and c.distill_steps:
+  if drafter_registry.distils(config) and c.distill_steps:
     models.draft, losses = sft.train_sft(
         models.draft, task,
         sft.SFTConfig(steps=c.distill_steps, batch_size=c.sft_batch_size,
@@ -96,11 +97,12 @@ def warm_start(config: ExperimentConfig, record: dict[str, Any], task: Task, *,
   loaded from the cache when it was made with the same configuration."""
   models = fresh_models(config)
   c = config.warm_start
-  if not c.sft_steps and not (models.draft is not None and c.distill_steps):
+  distils = drafter_registry.distils(config) and c.distill_steps > 0
+  if not c.sft_steps and not distils:
     return models  # nothing to train, so nothing to cache (the policy is its folder's)
   folder = os.path.abspath(os.path.join(config.output.directory, "warm_start"))
   key = run_directory.warm_start_key(record)
-  names = ["policy"] + (["draft"] if models.draft is not None else [])
+  names = ["policy"] + (["draft"] if distils else [])
   multi = jax.process_count() > 1
   mismatch = (run_directory.warm_start_mismatch(folder, key) if os.path.isdir(folder)
               else "absent")

@@ -2,7 +2,7 @@
 
     learn(state, trajectories) -> (state, metrics)
 
-rewards -> group advantages -> the learner's log-probs of the rollout's tokens (the
+rewards -> advantages (``GRPOConfig.advantage``) -> the learner's log-probs of the rollout's tokens (the
 ratio's denominator, with the trainer's numerics; skipped with
 ``LearnerConfig.skip_log_prob_pass``, the update's forward then supplies them) -> the
 update. The sync step traces
@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from specrl_jax.rl.algo.advantages import group_advantages
+from specrl_jax.rl.algo.advantages import estimate_advantages
 from specrl_jax.rl.loop.learner import (
     Batch, DrafterObjective, LearnerConfig, TrainState, TrainStep, make_log_prob_step,
     make_train_step,
@@ -44,9 +44,8 @@ class LearnStep:
   def batch(self, trajectories: Trajectories, old_logprobs_BxT: Array) -> Batch:
     """The rollout's batch completed with what only the learner sets: advantages
     and the learner's log-probs (``old_logprobs``)."""
-    advantages_R = group_advantages(
-        trajectories.rewards_R, self.group_size,
-        normalize_std=self.train_step.config.loss.normalize_std)
+    advantages_R = estimate_advantages(trajectories.rewards_R, self.group_size,
+                                       self.train_step.config.loss)
     return trajectories.batch.replace(advantages=advantages_R, old_logprobs=old_logprobs_BxT)
 
   def __call__(self, state: TrainState, trajectories: Trajectories):

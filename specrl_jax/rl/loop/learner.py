@@ -33,7 +33,8 @@ from specrl_jax.parallel.mesh import BATCH_AXES, batch_sharding, data_parallel_s
 from specrl_jax.parallel.rules import TRANSFORMER_RULES, PartitionRules, named_shardings
 from specrl_jax.rl.loop import lora, precision
 from specrl_jax.rl.algo.logprobs import token_log_probs
-from specrl_jax.rl.algo.losses import aggregation_weights, combine_metrics, valid_token_weights
+from specrl_jax.rl.algo.aggregation import aggregation_weights, valid_token_weights
+from specrl_jax.rl.algo.losses import combine_metrics
 from specrl_jax.rl.loop.numerics import keep_if_finite
 from specrl_jax.rl.loop.optimizer import (  # noqa: F401  (re-exported: the learner's config)
     SCHEDULES, LearnerConfig, drafter_peak, learning_rate_schedule, make_optimizer,

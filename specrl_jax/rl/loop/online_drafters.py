@@ -6,7 +6,8 @@ sits in ``TrainState.drafter_params``), how the learner trains it (a
 sync and async loops never look inside a drafter. Builders are registered by drafter
 class. Hidden-state drafters (EAGLE-3, MTP) train with the training-time-test loss
 (``specrl_jax.speculative.drafters.training_time_test``) through ``online_objective``;
-``joint_loss`` trains an MTP head jointly with the policy.
+``joint_loss`` trains an MTP head jointly with the policy; the history drafter trains
+its fallback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from specrl_jax.sampling.warp import warped_log_probs
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.drafters.draft_model import DraftModel
 from specrl_jax.speculative.drafters.hidden_state import HiddenStateDrafter
+from specrl_jax.speculative.drafters.history import History
 from specrl_jax.speculative.drafters.training_time_test import unrolled_loss
 
 Array = jax.Array
@@ -98,6 +100,22 @@ def _hidden_state(drafter: HiddenStateDrafter, *, sampling: SamplingParams, loss
       drafter=drafter, trainable=drafter.weights,
       objective=online_objective(drafter, loss_weight=loss_weight),
       rollout_params=lambda trainable: dict(static, weights=trainable))
+
+
+@register(History)
+def _history(drafter: History, *, sampling: SamplingParams, loss_weight: float
+             ) -> OnlineDrafter:
+  """The history drafter trains its fallback (the history itself is not learned): the
+  fallback's trainer, its params placed beside the bank (which the step fills in,
+  ``rl.loop.drafter_memory``)."""
+  if drafter.fallback is None:
+    raise TypeError("History without a fallback has nothing to train online: give it a "
+                    "learned fallback, or train nothing (online=False).")
+  inner = online_drafter(drafter.fallback, sampling=sampling, loss_weight=loss_weight)
+  return OnlineDrafter(
+      drafter=drafter, trainable=inner.trainable, objective=inner.objective,
+      rollout_params=lambda trainable: {"bank": drafter.store.device_arrays(),
+                                        "fallback": inner.rollout_params(trainable)})
 
 
 def online_objective(drafter: HiddenStateDrafter, *, loss_weight: float = 1.0,

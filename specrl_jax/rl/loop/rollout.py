@@ -31,7 +31,7 @@ from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.layout import engine_layout, padded_width
-from specrl_jax.sampling.sharded import engine_for_mesh, manual_axes
+from specrl_jax.sampling.sharded import layout_on_mesh, manual_axes
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.rollout import (
     acceptance_length, rollout as engine_rollout, speculation,
@@ -120,7 +120,6 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
         f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
         "groups)")
   local_prompts = rollout_config.prompts_per_step // shards
-  engine = engine_for_mesh(engine, mesh)
   width = padded_width(prompt_width, engine)
   # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
   bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
@@ -128,6 +127,8 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                          prompt_pages=local_prompts * -(-width // engine.page_size),
                          num_requests=local_prompts * group, sampling=sampling, engine=engine,
                          drafter=bound_drafter, tensor_shards=mesh.shape["tensor"])
+  if rollout_manual_axes(mesh) != set(mesh.axis_names):
+    layout = layout_on_mesh(layout, mesh)  # heads split over "tensor" inside the rollout
   depth = topology.depth if topology is not None else 0
   widths_W = jnp.asarray(stage_widths(layout.num_slots, layout.compaction_min_width), jnp.int32)
 

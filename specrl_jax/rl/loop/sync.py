@@ -12,6 +12,10 @@ test runs it under ``jax.transfer_guard("disallow")``).
 
 The same stages also compile separately (``RLProgram.rollout_jit`` and ``train_jit``)
 so benchmarks can time generation, log-probs and training one by one.
+
+A drafter with a memory of earlier rollouts (the history drafter) makes ``rl_step`` a
+``MemoryStep``: the same one compiled call, with the bank passed in and the rollouts
+handed back to the host store after it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.parallel.mesh import BATCH_AXES
+from specrl_jax.rl.loop.drafter_memory import RolloutMemory, rollout_memory
 from specrl_jax.rl.loop.learn_step import LearnStep, make_learn_step
 from specrl_jax.rl.loop.learner import LearnerConfig, TrainState, TrainStep
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter
@@ -114,23 +119,52 @@ def build_program(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lea
   rollout = make_rollout(graphdef, model_config, task, rollout_config, mesh,
                          prompt_width=prompt_width, drafter=drafter, spec=spec, engine=engine)
   drafter_params = rollout_drafter_params(drafter, online)
+  memory = rollout_memory(drafter)
   max_new = rollout_config.sampling.max_new_tokens
 
-  def rl_step(state: TrainState, prompts: PromptBatch, rng):
-    trajectories = rollout(state.compute_params(), drafter_params(state), prompts, rng,
-                           state.step)
+  def rl_step(state: TrainState, prompts: PromptBatch, rng, bank=None):
+    params = drafter_params(state)
+    if memory is not None:  # this step's bank of earlier rollouts (history drafter)
+      params = memory.place(params, bank)
+    trajectories = rollout(state.compute_params(), params, prompts, rng, state.step)
     new_state, metrics = learn(state, trajectories)
-    return new_state, dict(metrics, **rollout_metrics(trajectories, max_new))
+    metrics = dict(metrics, **rollout_metrics(trajectories, max_new))
+    if memory is None:
+      return new_state, metrics
+    return new_state, metrics, (trajectories.batch.tokens, trajectories.lengths_R)
 
   # Explicit shardings: the state comes back laid out exactly as it went in, so every
   # step after the first reuses the one compiled program.
   shardings = learn.train_step.state_shardings
   rows, replicated = NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P())
+  if memory is None:
+    step = jax.jit(rl_step, in_shardings=(shardings, rows, replicated),
+                   out_shardings=(shardings, replicated), donate_argnums=0)
+  else:
+    step = MemoryStep(jax.jit(rl_step, in_shardings=(shardings, rows, replicated, replicated),
+                              out_shardings=(shardings, replicated, (rows, rows)),
+                              donate_argnums=0), memory, rollout_config.group_size)
   return RLProgram(graphdef=graphdef, task=task, learner=learner,
                    rollout_config=rollout_config, mesh=mesh, drafter=drafter, online=online,
                    learn=learn, rollout_drafter_params=drafter_params, rollout=rollout,
-                   rl_step=jax.jit(rl_step, in_shardings=(shardings, rows, replicated),
-                                   out_shardings=(shardings, replicated), donate_argnums=0))
+                   rl_step=step)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MemoryStep:
+  """``rl_step(state, prompts, rng) -> (state, metrics)`` of a drafter with a memory of
+  earlier rollouts: the compiled step reads the bank and returns its rollouts, which
+  the memory then remembers (a host round trip per step, outside the compiled call)."""
+  jitted: Any
+  memory: RolloutMemory
+  group_size: int
+
+  def __call__(self, state: TrainState, prompts: PromptBatch, rng):
+    state, metrics, (tokens_RxC, lengths_R) = self.jitted(state, prompts, rng,
+                                                          self.memory.arrays())
+    self.memory.observe(prompts.tokens_PxT, prompts.lengths_P, tokens_RxC, lengths_R,
+                        self.group_size)
+    return state, metrics
 
 
 def prompts_on_mesh(prompts: PromptBatch, mesh: Mesh) -> PromptBatch:

@@ -40,6 +40,10 @@ class RewardFunctionError(RuntimeError):
 
 _LOCK = threading.Lock()
 _PENDING: list[tuple[str, SampleError, str]] = []
+_FAILURES: list[tuple[str, SampleError, str]] = []
+# What a sample scores when its call timed out or killed its worker process and the
+# task scores such samples instead of failing the run: no evidence the answer is right.
+FAILED_SAMPLE_SCORE = 0.0
 
 
 def raise_pending_errors() -> None:
@@ -55,12 +59,53 @@ def raise_pending_errors() -> None:
     ) from error.cause
 
 
+def record_error(name: str, error: SampleError, text: str) -> None:
+  """Keeps a failure of reward function ``name`` on sample text ``text`` for
+  ``raise_pending_errors`` (a host callback must not raise into XLA)."""
+  with _LOCK:
+    _PENDING.append((name, error, text))
+
+
+def record_failure(name: str, error: SampleError, text: str) -> None:
+  """Keeps a sample that scored a failure score instead of failing the run (a worker
+  that timed out or died, ``RewardWorkers(failure_score=...)``) for ``take_failures``."""
+  with _LOCK:
+    _FAILURES.append((name, error, text))
+
+
+def take_failures() -> list[str]:
+  """One line per sample scored as failed since the last call, naming the function,
+  the sample, what happened and the start of its response."""
+  with _LOCK:
+    failures, _FAILURES[:] = list(_FAILURES), []
+  return [f"the reward function {name} {error.problem} on sample {error.index} of its batch "
+          f"(response {text[:80]!r}): it scored {FAILED_SAMPLE_SCORE}" for name, error, text
+          in failures]
+
+
+def decode_samples(text_tokenizer: TextTokenizer, targets, tokens_RxL, lengths_R
+                   ) -> list[tuple[str, dict[str, np.ndarray]]]:
+  """(response text up to its stop token, its targets row) of every sample."""
+  targets = {k: np.asarray(v) for k, v in targets.items()}
+  tokens_RxL, lengths_R = np.asarray(tokens_RxL), np.asarray(lengths_R)
+  return [(text_tokenizer.decode(row[:n].tolist()), {k: v[i] for k, v in targets.items()})
+          for i, (row, n) in enumerate(zip(tokens_RxL, lengths_R))]
+
+
+def on_host(host: Callable[..., np.ndarray], targets, tokens_RxL, lengths_R):
+  """float32 [R] rewards from ``host(targets, tokens_RxL, lengths_R)`` run on the host
+  inside a compiled step (one callback per batch)."""
+  shape = jax.ShapeDtypeStruct(tokens_RxL.shape[:1], jnp.float32)
+  return jax.pure_callback(host, shape, dict(targets), tokens_RxL, lengths_R,
+                           vmap_method="sequential")
+
+
 def decode_answer(ids: np.ndarray) -> str:
   """Text of a -1-padded answer token array (the targets format of the built-in tasks)."""
   return tokenizer.decode([int(i) for i in np.asarray(ids) if i >= 0])
 
 
-def _check_options(owner: str, timeout, workers, memory_limit_mb) -> None:
+def check_options(owner: str, timeout, workers, memory_limit_mb) -> None:
   check(timeout is None or (is_finite_number(timeout) and timeout > 0), owner, "timeout",
         timeout, "None (no limit) or a finite number of seconds > 0")
   check(isinstance(workers, int) and not isinstance(workers, bool) and workers >= 0, owner,
@@ -86,7 +131,7 @@ def python_reward(fn: HostRewardFn, *, name: str | None = None, timeout: float |
   memory_limit_mb: with workers, the address space one worker may grow by (RLIMIT_AS).
   threads: without workers, how many calls run at once on host threads.
   """
-  _check_options("python_reward", timeout, workers, memory_limit_mb)
+  check_options("python_reward", timeout, workers, memory_limit_mb)
   check(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
         "python_reward", "threads", threads, "an integer >= 1")
   text_tokenizer = text_tokenizer or tokenizer.text_tokenizer()
@@ -96,10 +141,7 @@ def python_reward(fn: HostRewardFn, *, name: str | None = None, timeout: float |
           if workers else None)
 
   def host(targets, tokens_RxL, lengths_R):
-    targets = {k: np.asarray(v) for k, v in targets.items()}
-    tokens_RxL, lengths_R = np.asarray(tokens_RxL), np.asarray(lengths_R)
-    samples = [(text_tokenizer.decode(row[:n].tolist()), {k: v[i] for k, v in targets.items()})
-               for i, (row, n) in enumerate(zip(tokens_RxL, lengths_R))]
+    samples = decode_samples(text_tokenizer, targets, tokens_RxL, lengths_R)
     try:
       if pool is not None:
         rewards = pool.score(samples)
@@ -107,14 +149,11 @@ def python_reward(fn: HostRewardFn, *, name: str | None = None, timeout: float |
         rewards = call_all_with_timeout(fn, samples, timeout, threads)
       return np.asarray(rewards, np.float32)
     except SampleError as error:  # handed to the host loop, see the module docstring
-      with _LOCK:
-        _PENDING.append((label, error, samples[error.index][0]))
-      return np.full(tokens_RxL.shape[:1], np.nan, np.float32)
+      record_error(label, error, samples[error.index][0])
+      return np.full(len(samples), np.nan, np.float32)
 
   def reward(targets, tokens_RxL, lengths_R):
-    shape = jax.ShapeDtypeStruct(tokens_RxL.shape[:1], jnp.float32)
-    return jax.pure_callback(host, shape, dict(targets), tokens_RxL, lengths_R,
-                             vmap_method="sequential")
+    return on_host(host, targets, tokens_RxL, lengths_R)
 
   return reward
 
@@ -136,7 +175,7 @@ class PythonRewardTask(Task):
   memory_limit_mb: int | None = None
 
   def __post_init__(self):
-    _check_options("PythonRewardTask", self.timeout, self.workers, self.memory_limit_mb)
+    check_options("PythonRewardTask", self.timeout, self.workers, self.memory_limit_mb)
     object.__setattr__(self, "_reward", python_reward(
         self.fn, timeout=self.timeout, workers=self.workers,
         memory_limit_mb=self.memory_limit_mb, text_tokenizer=self.task.tokenizer))

@@ -5,9 +5,11 @@ Run as a script (``python reward_worker_main.py FD``), never imported as part of
 package, so that a worker loads only the reward function's own module and not JAX.
 FD is its end of a socket pair; the first message is ``(sys.path, pickled function,
 memory limit in bytes or None)``, then each request ``(text, targets)`` is answered
-``("ok", reward)`` or ``("error", "Type: message")``.
+``("ok", reward)``, ``("error", "Type: message")`` (it raised) or ``("refused", what
+it returned)`` (no finite real number: ``reward_values``).
 """
 
+import importlib.util
 import os
 import pickle
 import resource
@@ -27,7 +29,17 @@ def _address_space_bytes() -> int:
   return 0
 
 
+def _reward_values():
+  """reward_values.py beside this script, loaded without importing the package."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_values.py")
+  spec = importlib.util.spec_from_file_location("specrl_reward_values", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def main() -> None:
+  values = _reward_values()
   connection = Connection(int(sys.argv[1]))
   path, payload, memory_limit = connection.recv()
   sys.path[:] = path
@@ -44,7 +56,9 @@ def main() -> None:
     except EOFError:
       return
     try:
-      answer = ("ok", float(fn(text, targets)))
+      answer = ("ok", values.reward_value(fn(text, targets)))
+    except values.RewardValueError as error:
+      answer = ("refused", str(error))
     except BaseException as error:  # SystemExit too: the parent decides what it means
       answer = ("error", f"{type(error).__name__}: {error}")
     connection.send(answer)

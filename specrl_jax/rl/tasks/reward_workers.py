@@ -25,6 +25,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from specrl_jax.rl.tasks.reward_values import RewardValueError, reward_value
+
 # How long a fresh worker may take to import and unpickle the reward function.
 STARTUP_SECONDS = 120.0
 _WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -42,13 +44,14 @@ class SampleError(Exception):
 
 def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None,
                       index: int) -> float:
-  """``float(fn(*args))``, or SampleError if it raises anything (SystemExit included)
-  or has not returned after ``timeout`` seconds (None: no limit)."""
+  """``fn(*args)`` as a float (``reward_values``), or SampleError if it raises anything
+  (SystemExit included), returns no finite real number, or has not returned after
+  ``timeout`` seconds (None: no limit)."""
   box: dict[str, Any] = {}
 
   def run():
     try:
-      box["value"] = float(fn(*args))
+      box["value"] = reward_value(fn(*args))
     except BaseException as error:  # noqa: B036 (SystemExit must not end the trainer)
       box["error"] = error
 
@@ -63,14 +66,16 @@ def call_with_timeout(fn: Callable[..., Any], args: tuple, timeout: float | None
                                "abandoned; use worker processes to have it killed)")
   if "error" in box:
     error = box["error"]
+    if isinstance(error, RewardValueError):
+      raise SampleError(index, str(error), error)
     raise SampleError(index, f"raised {type(error).__name__}: {error}", error)
   return box["value"]
 
 
 def call_all_with_timeout(fn: Callable[..., Any], samples: Sequence[tuple], timeout: float | None,
                           threads: int) -> list[float]:
-  """``[float(fn(*sample)) for sample in samples]`` computed by up to ``threads`` calls
-  at once (each as ``call_with_timeout``: its own daemon thread and deadline); the
+  """``[call_with_timeout(fn, sample, ...) for sample in samples]`` computed by up to
+  ``threads`` calls at once (each as ``call_with_timeout``: its own daemon thread and deadline); the
   first failure, by sample order, is raised as SampleError."""
   if threads <= 1 or len(samples) <= 1:
     return [call_with_timeout(fn, sample, timeout, i) for i, sample in enumerate(samples)]
@@ -109,10 +114,18 @@ def _stop(process: subprocess.Popen | None) -> int | None:
 
 class RewardWorkers:
   """``num_workers`` processes scoring samples with ``fn`` (which must pickle: a
-  module-level function or a picklable callable object)."""
+  module-level function or a picklable callable object).
+
+  failure_score: None, a call that times out or kills its worker fails the batch
+  (SampleError); a number, that sample scores it instead and the failure is kept for
+  ``take_failures`` (so one hostile completion, e.g. a CAS expression that never
+  finishes, costs its own reward and not the run). Exceptions the function raises
+  and values it returns that are no reward fail the batch either way: those are
+  bugs of the function, not of one sample.
+  """
 
   def __init__(self, fn: Callable[..., Any], *, num_workers: int, timeout: float | None,
-               memory_limit_bytes: int | None = None):
+               memory_limit_bytes: int | None = None, failure_score: float | None = None):
     try:
       self._payload = pickle.dumps(fn)
     except Exception as error:
@@ -120,9 +133,12 @@ class RewardWorkers:
                       f"({type(error).__name__}: {error}): give a module-level function "
                       "or a picklable callable object.") from error
     self.timeout = timeout
+    self.failure_score = failure_score
+    self._failures: list[SampleError] = []
     self._memory_limit = memory_limit_bytes
     self._processes: list[subprocess.Popen | None] = [None] * num_workers
     self._connections: list[Connection | None] = [None] * num_workers
+    self._ready = [False] * num_workers
     self._lock = threading.Lock()
     weakref.finalize(self, lambda processes: [_stop(p) for p in processes], self._processes)
 
@@ -133,6 +149,7 @@ class RewardWorkers:
     theirs.close()
     ours.send((list(sys.path), self._payload, self._memory_limit))
     self._processes[worker], self._connections[worker] = process, ours
+    self._ready[worker] = False
     return ours
 
   def _kill(self, worker: int) -> int | None:
@@ -142,14 +159,20 @@ class RewardWorkers:
     self._processes[worker] = self._connections[worker] = None
     return code
 
-  def _running(self, worker: int, index: int) -> Connection:
-    """The worker's connection, (re)starting it first if it is not running."""
+  def _alive(self, worker: int) -> bool:
     process = self._processes[worker]
-    if process is not None and process.poll() is None:
-      return self._connections[worker]
-    self._kill(worker)
+    return process is not None and process.poll() is None
+
+  def _running(self, worker: int, index: int) -> Connection:
+    """The worker's connection once it has loaded the function, (re)starting it
+    first if it is not running."""
+    if not self._alive(worker):
+      self._kill(worker)
+      self._start(worker)
+    connection = self._connections[worker]
+    if self._ready[worker]:
+      return connection
     try:
-      connection = self._start(worker)
       if not connection.poll(STARTUP_SECONDS):
         raise EOFError
       connection.recv()  # "ready": the function is loaded
@@ -157,6 +180,7 @@ class RewardWorkers:
       code = self._kill(worker)
       raise SampleError(index, f"its worker process did not load the reward function "
                                f"(exit code {code}; its stderr says why)") from None
+    self._ready[worker] = True
     return connection
 
   def score(self, samples: Sequence[tuple[str, Any]]) -> list[float]:
@@ -168,6 +192,10 @@ class RewardWorkers:
   def _score(self, samples):
     rewards: list[float | None] = [None] * len(samples)
     todo = list(range(len(samples)))[::-1]
+    for worker in range(min(len(self._processes), len(samples))):
+      if not self._alive(worker):  # start them all at once: each takes seconds to load
+        self._kill(worker)
+        self._start(worker)
     busy: dict[int, tuple[int, float]] = {}  # worker -> (sample, deadline)
     try:
       while todo or busy:
@@ -186,23 +214,40 @@ class RewardWorkers:
             kind, value = self._connections[worker].recv()
           except (EOFError, OSError):
             code = self._kill(worker)
-            raise SampleError(index, f"killed its worker process (exit code {code}; e.g. "
-                                     "os._exit, a crash, or over its memory limit)") from None
+            rewards[index] = self._failed(SampleError(
+                index, f"killed its worker process (exit code {code}; e.g. os._exit, a "
+                       "crash, or over its memory limit)"))
+            continue
           if kind == "error":
             raise SampleError(index, f"raised {value} (in a worker process)")
+          if kind == "refused":
+            raise SampleError(index, f"{value} (in a worker process)")
           rewards[index] = value
         now = time.monotonic()
         for worker, (index, deadline) in list(busy.items()):
           if now >= deadline:
             busy.pop(worker)
             self._kill(worker)
-            raise SampleError(index, f"did not return within {self.timeout} s (its worker "
-                                     "process was killed)")
+            rewards[index] = self._failed(SampleError(
+                index, f"did not return within {self.timeout} s (its worker process was "
+                       "killed)"))
     except BaseException:
       for worker in busy:  # their answers would arrive as the next batch's
         self._kill(worker)
       raise
     return rewards
+
+  def _failed(self, error: SampleError) -> float:
+    if self.failure_score is None:
+      raise error
+    self._failures.append(error)
+    return self.failure_score
+
+  def take_failures(self) -> list[SampleError]:
+    """The samples scored ``failure_score`` since the last call, in the order they failed."""
+    with self._lock:
+      failures, self._failures = self._failures, []
+    return failures
 
   def close(self) -> None:
     for worker in range(len(self._processes)):

@@ -9,6 +9,12 @@ without ``**fields`` receives only the columns it names).
     --reward=exact_match                 a built-in (see BUILTIN)
     --reward=my_rewards:score            a function of an importable module
     --reward=path/to/rewards.py:score    a function of a Python file
+
+The built-in rewards take an answer as it is in the dataset: text or a number, or a
+list of them, any of which is accepted (aliases: ``["7", "seven"]``). A null answer
+is refused (a row without its answer is reported before training, ``row_checks``),
+never compared as the text "None". A module or file that fails to import (a syntax
+error, a missing package, ``sys.exit`` at import) is refused naming its file and line.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -49,11 +56,25 @@ def _normalize(text: str) -> str:
   return " ".join(text.strip().rstrip(".").split()).casefold()
 
 
+def accepted_answers(answer: Any, reward: str) -> list[str]:
+  """The texts ``answer`` accepts: itself, or each element of a list or tuple."""
+  values = list(answer) if isinstance(answer, (list, tuple)) else [answer]
+  if not values:
+    raise ValueError(f"the {reward} reward got an empty list of accepted answers")
+  for value in values:
+    if value is None or not isinstance(value, (str, int, float)):
+      raise TypeError(f"the {reward} reward got the answer {type(value).__name__} {value!r}; "
+                      "expected text, a number, or a list of them (the accepted answers)")
+  return [str(v) if not isinstance(v, float) or not v.is_integer() else str(int(v))
+          for v in values]
+
+
 def exact_match(prompt: str, completion: str, answer: Any, **fields) -> float:
-  """1.0 when the completion's ``final_answer`` equals the answer (whitespace, case
-  and a final period aside), else 0.0."""
+  """1.0 when the completion's ``final_answer`` equals the answer, or one of a list of
+  answers (whitespace, case and a final period aside; 7.0 reads as 7), else 0.0."""
   del prompt, fields
-  return float(_normalize(final_answer(completion)) == _normalize(str(answer)))
+  found = _normalize(final_answer(completion))
+  return float(any(found == _normalize(a) for a in accepted_answers(answer, "exact_match")))
 
 
 def format_reward(prompt: str, completion: str, answer: Any, **fields) -> float:
@@ -75,11 +96,15 @@ def math_verify(prompt: str, completion: str, answer: Any, **fields) -> float:
     raise ImportError("the math_verify reward needs the math-verify package: "
                       "pip install math-verify") from None
   logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" notes
-  gold = mv.parse(str(answer), parsing_timeout=None)
+  answers = accepted_answers(answer, "math_verify")
   predicted = mv.parse(completion, parsing_timeout=None)
-  if not gold or not predicted:
+  if not predicted:
     return 0.0
-  return float(mv.verify(gold, predicted, timeout_seconds=None))
+  for text in answers:
+    gold = mv.parse(text, parsing_timeout=None)
+    if gold and mv.verify(gold, predicted, timeout_seconds=None):
+      return 1.0
+  return 0.0
 
 
 BUILTIN: dict[str, TextReward] = {
@@ -98,18 +123,42 @@ def _load_module(name: str):
       return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, name)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # so its functions pickle for worker processes
+    sys.modules[module_name] = module
     try:
       spec.loader.exec_module(module)
-    except Exception:
+    except BaseException as error:  # noqa: B036 (sys.exit at import must not end the run)
       del sys.modules[module_name]
-      raise
+      raise ConfigError(f"--reward: {name} {_import_failure(error, os.path.abspath(name))}"
+                        ) from None
     return module
   try:
     return importlib.import_module(name)
   except ModuleNotFoundError as error:
-    raise ConfigError(f"--reward: module {name!r} cannot be imported ({error}); give an "
-                      "importable module or a path to a .py file") from None
+    if error.name and name.split(".")[0] == error.name.split(".")[0]:
+      raise ConfigError(f"--reward: module {name!r} cannot be imported ({error}); give an "
+                        "importable module or a path to a .py file") from None
+    raise ConfigError(f"--reward: module {name} {_import_failure(error, None)}") from None
+  except BaseException as error:  # noqa: B036
+    raise ConfigError(f"--reward: module {name} {_import_failure(error, None)}") from None
+
+
+def _import_failure(error: BaseException, path: str | None) -> str:
+  """"failed to import at FILE line N: what happened" for an error raised while a
+  reward module ran its top level (the deepest frame in ``path``, else the last)."""
+  if isinstance(error, SyntaxError) and error.filename:
+    where = f"{error.filename} line {error.lineno}"
+  else:
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if path is None or os.path.abspath(f.filename) == path]
+    frame = (mine or frames or [None])[-1]
+    where = f"{frame.filename} line {frame.lineno}" if frame else "its top level"
+  if isinstance(error, SystemExit):
+    what = f"called sys.exit({error.code!r}) while being imported"
+  elif isinstance(error, ModuleNotFoundError):
+    what = f"imports {error.name!r}, which is not installed (pip install it)"
+  else:
+    what = f"raised {type(error).__name__}: {error}"
+  return f"failed to import at {where}: it {what}; fix the module and run again"
 
 
 def resolve_reward(spec: str) -> tuple[TextReward, str]:
