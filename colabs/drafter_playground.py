@@ -101,9 +101,8 @@ class Bigram(sj.drafters.Drafter):
   def start(self, params, state, kv, inputs, sampling, max_pending):
     return params[inputs.last_token_N], state, kv, ()
 
-  def extend(self, params, state, kv, scratch, inputs, sampling, depth, tokens_NxW,
-             paths_NxWxZ, mask_WxJ):
-    return params[tokens_NxW], scratch
+  def extend(self, params, state, kv, scratch, inputs, level):
+    return params[level.tokens_NxW], scratch
 
 
 # %% [markdown]

@@ -33,6 +33,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "cpu"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -142,20 +145,23 @@ class Arm:
     self.state, _ = self.program.train_jit(self.state, trajectories)
 
 
-def step_record(arms, step: int, args) -> dict:
+def step_record(arms, step: int, args, compiles: common.CompileCounter) -> dict:
   from specrl_jax.rl.loop.rollout import rollout_metrics
   from specrl_jax.rl.loop.sync import prompts_on_mesh
   session = arms[0].session
   prompts = prompts_on_mesh(session.step_prompts(step), arms[0].program.mesh)
   rng = session.step_rng(step)
   seconds = {arm.kind: [] for arm in arms}
+  compiled = {arm.kind: 0 for arm in arms}
   first = {}
   for repeat in range(args.repeats):
     shift = (step + repeat) % len(arms)  # a rotating order: drifting load hits all alike
     for arm in arms[shift:] + arms[:shift]:
+      before = compiles.count
       started = time.perf_counter()
       trajectories = arm.roll_out(prompts, rng)
       seconds[arm.kind].append(time.perf_counter() - started)
+      compiled[arm.kind] += compiles.count - before
       first.setdefault(arm.kind, trajectories)
   record = {"step": step, "epoch": step * args.prompts_per_step // args.prompts, "kinds": {}}
   plain = statistics.median(seconds["none"]) if "none" in seconds else None
@@ -168,9 +174,22 @@ def step_record(arms, step: int, args) -> dict:
         "acceptance_length": float(metrics["acceptance_length"]),
         "reward_mean": float(metrics["reward_mean"]),
         "generated_tokens": int(metrics["generated_tokens"]),
+        "compilations_while_timed": compiled[arm.kind],
         "speedup_vs_plain": plain / median if plain else None}
     arm.learn(prompts, first[arm.kind])
   return record
+
+
+def warm_up(arms) -> None:
+  """Compiles every arm's rollout and update before anything is timed (on copies of the
+  state, with a throwaway rng; nothing is remembered)."""
+  from specrl_jax.rl.loop.sync import prompts_on_mesh
+  session = arms[0].session
+  prompts = prompts_on_mesh(session.step_prompts(0), arms[0].program.mesh)
+  for arm in arms:
+    trajectories = arm.roll_out(prompts, jax.random.key(12345))
+    copy = jax.tree.map(lambda x: x.copy(), arm.state)
+    arm.program.train_jit(copy, trajectories)
 
 
 def summary(records, kinds, epochs) -> dict:
@@ -213,10 +232,12 @@ def main(argv=None) -> int:
   model, data = write_workspace(root, args)
   policy = warm_policy(root, model, data, args)
   arms = [Arm(kind, policy, data, root, args) for kind in kinds]
+  compiles = common.CompileCounter()
+  warm_up(arms)
   steps = args.epochs * args.prompts // args.prompts_per_step
   records = []
   for step in range(steps):
-    records.append(step_record(arms, step, args))
+    records.append(step_record(arms, step, args, compiles))
     print(json.dumps(records[-1]), flush=True)
   load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
   result = {"args": vars(args), "uptime": load, "steps": records,

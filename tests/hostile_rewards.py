@@ -40,11 +40,11 @@ def dataset_dies_on_bad(prompt, completion, answer, **fields):
   del prompt, answer, fields
   if completion == "bad":
     os._exit(7)
-  return 1.0
+  return None if completion == "none" else 1.0
 
 
 def dataset_hangs_on_bad(prompt, completion, answer, **fields):
   del prompt, answer, fields
   while completion == "bad":
     time.sleep(1)
-  return 1.0
+  return None if completion == "none" else 1.0

@@ -90,10 +90,12 @@ def killed_thrice(tmp_path_factory):
 
 def test_a_kill_during_the_warm_start_leaves_no_cache_to_trust(killed_thrice):
   stage = killed_thrice["stages"]["warm_start"]
-  # Its first model was written, into the partial folder only; nothing else exists yet.
-  assert stage["files"] == ["warm_start.partial"]
+  # Its first model was written, into the partial folder only; nothing else exists yet
+  # but the lock it held, which the next run takes over.
+  assert stage["files"] == ["run.lock", "warm_start.partial"]
   rerun = killed_thrice["stages"]["checkpoint:2"]["run"].stdout
   assert "warm start: SFT 120 steps" in rerun and "loaded from" not in rerun
+  assert "was left by a run that is gone" in rerun and "taking the lock over" in rerun
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(killed_thrice):

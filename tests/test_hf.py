@@ -395,8 +395,11 @@ def test_tied_checkpoint_may_repeat_the_embedding_but_not_differ_from_it(folder)
 
 
 def test_folder_without_config_or_weights_is_refused(tmp_path, folder):
-  with pytest.raises(HFFormatError, match="no config.json"):
+  with pytest.raises(HFFormatError, match="model folder .*nowhere does not exist"):
     load_hf(tmp_path / "nowhere")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(HFFormatError, match="no config.json"):
+    load_hf(tmp_path / "empty")
   os.remove(folder / "model.safetensors")
   with pytest.raises(HFFormatError, match="neither model.safetensors nor"):
     load_hf(folder)

@@ -29,7 +29,7 @@ from specrl_jax import drafters, testing
 from specrl_jax.config import ConfigError, SamplingParams, SpecConfig
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.generate import generate
-from specrl_jax.speculative.drafters.base import RoundInputs
+from specrl_jax.speculative.drafters.base import RoundInputs, TreeLevel
 from specrl_jax.speculative.drafters.history import (SOURCE_FALLBACK, SOURCE_HISTORY,
                                                      SOURCE_NONE, History)
 from specrl_jax.speculative.drafters.history_store import (HistoryConfig, HistoryStore,
@@ -211,8 +211,9 @@ def start_round(drafter, params, state, inputs):
 @functools.partial(jax.jit, static_argnames=("drafter", "depth"))
 def extend_round(drafter, params, state, scratch, inputs, depth, tokens_NxW, paths_NxWxZ):
   width = tokens_NxW.shape[1]
-  return drafter.extend(params, state, (), scratch, inputs, ROUND_SAMPLING, depth, tokens_NxW,
-                        paths_NxWxZ, np.ones((width, width), bool))[0]
+  level = TreeLevel(depth=depth, tokens_NxW=tokens_NxW, paths_NxWxZ=paths_NxWxZ,
+                    mask_WxJ=np.ones((width, width), bool), sampling=ROUND_SAMPLING)
+  return drafter.extend(params, state, (), scratch, inputs, level)[0]
 
 
 @functools.partial(jax.jit, static_argnames="drafter")

@@ -324,6 +324,11 @@ def test_a_reward_worker_that_dies_or_hangs_scores_zero_for_its_sample_and_is_re
   assert "user:fn" in line and "on sample 1" in line and "'bad'" in line
   assert __import__("re").search(problem, line) and line.endswith("it scored 0.0")
   np.testing.assert_array_equal(_host_rewards(task, ["ok"]), [1.0])  # a fresh worker
+  # A value that is no reward is a bug of the function, not of one sample: the batch fails.
+  assert np.isnan(_host_rewards(task, ["ok", "none"])).all()
+  with pytest.raises(RewardFunctionError, match=r"user:fn returned NoneType None, not a finite "
+                     r"real number .* \(in a worker process\) on sample 1"):
+    raise_pending_errors()
 
 
 def test_math_verify_on_a_tower_of_powers_times_out_in_its_worker(tmp_path):

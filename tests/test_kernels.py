@@ -295,3 +295,40 @@ def test_split_heads_takes_the_reference_when_the_kv_heads_do_not_divide():
   split = SplitHeads(paged_attention_gpu_interpret, mesh)
   assert "pallas_call" not in _primitive_names(jax.make_jaxpr(split)(*args).jaxpr)
   chex.assert_trees_all_equal(split(*args), paged_attention_reference(*args))
+
+
+def test_auto_falls_back_to_the_reference_with_one_warning_when_the_kernel_fails_to_compile(
+    monkeypatch):
+  """A TPU kernel compiled for this CPU fails for real (Mosaic needs a TPU): "auto"
+  then decodes with the reference, warns once naming the kernel and the error, and
+  says so in out.stats; the same shapes again do not warn twice."""
+  import warnings
+  import specrl_jax as sj
+  from specrl_jax import testing
+  target = testing.peaked_random_model(
+      sj.ModelConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=8), seed=0)
+  greedy = sj.SamplingParams(temperature=0.0, max_new_tokens=4)
+  engine = EngineConfig(page_size=4)
+  expected = sj.generate(target, [[1, 2, 3]], sampling=greedy, engine=engine)
+  assert expected.stats["attention_fallback"] is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.warns(RuntimeWarning, match=r'attention="auto": the Pallas kernel '
+                    r"paged_attention_tpu: .*reference") as caught:
+    out = sj.generate(target, [[1, 2, 3]], sampling=greedy, engine=engine)
+  assert len([w for w in caught if "Pallas kernel" in str(w.message)]) == 1
+  assert out.stats["attention"] == "reference"
+  assert out.stats["attention_fallback"].startswith("paged_attention_tpu: ")
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    again = sj.generate(target, [[1, 2, 3]], sampling=greedy, engine=engine)
+  assert again.stats["attention_fallback"] == out.stats["attention_fallback"]
+
+
+def test_an_explicit_pallas_choice_is_never_replaced(monkeypatch):
+  from specrl_jax.kernels.fallback import checked_attention
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  shapes = dict(num_heads=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32")
+  assert checked_attention("pallas", **shapes) == ("pallas", None)
+  assert checked_attention("reference", **shapes) == ("reference", None)

@@ -24,13 +24,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 import specrl_jax as sj
-from specrl_jax import parallel
+from specrl_jax import parallel, rl
 from specrl_jax.config import PRESETS
 from specrl_jax.kernels import lowering_for, paged_attention_gpu, paged_attention_tpu
+from specrl_jax.models import tokenizer
+from specrl_jax.parallel.mesh import BATCH_AXES
+from specrl_jax.rl import tasks
+from specrl_jax.rl.loop import async_pipeline, lora as rl_lora, online_drafters, sync
+from specrl_jax.rl.loop import rollout as rl_rollout
 from specrl_jax.sampling import rollout as sampling_rollout, sharded
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.layout import pack
+from specrl_jax.speculative.drafters import offline
 from specrl_jax.speculative.rollout import rounds_of, speculation
 
 PLATFORMS = ("tpu", "cuda")
@@ -212,3 +220,117 @@ def test_adaptive_batches_of_rounds_lower_with_the_kernels(platform, generation)
   exported = generation.lower(rounds_up_to, static,
                               (params, hook_params, state, prompts, jnp.int32(4)), platform)
   assert_runs_the_kernel(exported, platform, generation.devices)
+
+
+# --- RL programs ---------------------------------------------------------------------
+
+TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
+RL_SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
+                                stop_token_ids=(tokenizer.EOS_ID,))
+ROLLOUT = rl_rollout.RolloutConfig(group_size=2, prompts_per_step=2, sampling=RL_SAMPLING)
+PROMPTS = tasks.make_prompt_set(TASK, 2, seed=0)
+PROMPT_WIDTH = PROMPTS.tokens_PxT.shape[1]
+LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant")
+# Remat of every block, LoRA adapters on a frozen base, a KL term to a frozen reference.
+HEAVY_LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant", remat="full",
+                                 lora=rl_lora.LoRAConfig(rank=4),
+                                 loss=rl.GRPOConfig(beta=0.04))
+RL_ENGINE = EngineConfig(page_size=64, attention="pallas")
+RL_MESHES = {"one_device": ((1, 1, 1), (1, 1, 1)), "tensor4": ((1, 1, 4), (1, 1, 4))}
+
+
+def rl_models():
+  policy = small("llama-3.2-1b").replace(vocab_size=tokenizer.VOCAB_SIZE)
+  graphdef, params = nnx.split(sj.Transformer(policy, rngs=nnx.Rngs(0)))
+  draft = sj.drafters.DraftModel(sj.Transformer(policy, rngs=nnx.Rngs(1)))
+  return policy, graphdef, params, online_drafters.online_drafter(draft, sampling=RL_SAMPLING)
+
+
+def meshes_for(name):
+  """(rollout mesh, train mesh) on disjoint devices."""
+  rollout_shape, train_shape = RL_MESHES[name]
+  devices = jax.devices()
+  first = int(np.prod(rollout_shape))
+  return (parallel.make_mesh(rollout_shape, devices=devices[:first]),
+          parallel.make_mesh(train_shape, devices=devices[first:first + int(np.prod(train_shape))]))
+
+
+def sync_program(mesh, learner):
+  policy, graphdef, params, online = rl_models()
+  state = rl.init_train_state(params, learner, mesh, rng=jax.random.key(0),
+                              with_reference=learner.loss.beta > 0,
+                              drafter_params=online.trainable)
+  program = sync.build_program(
+      graphdef, policy, TASK, learner, ROLLOUT, mesh, state, prompt_width=PROMPT_WIDTH,
+      online=online, spec=sj.SpecConfig(num_draft_tokens=2), engine=RL_ENGINE)
+  prompts = sync.prompts_on_mesh(PROMPTS.take([0, 1]), mesh)
+  return program, (state, prompts, jax.device_put(jax.random.key(0), program.replicated))
+
+
+# One device: the plain learner. Split heads: remat, LoRA and the KL term too.
+SYNC_LEARNERS = {"one_device": LEARNER, "tensor4": HEAVY_LEARNER}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("mesh_name", list(RL_MESHES))
+def test_the_sync_rl_step_with_an_online_drafter_lowers_with_the_kernels(mesh_name, platform):
+  """Speculative rollout -> rewards -> log-probs -> GRPO update (on the (1, 1, 4) mesh
+  with remat, LoRA and KL) and the online draft model's loss: one program."""
+  mesh, _ = meshes_for(mesh_name)
+  program, args = sync_program(mesh, SYNC_LEARNERS[mesh_name])
+  assert_runs_the_kernel(export(program.rl_step, args, platform), platform, mesh.size)
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+  """Rollouts on a (1, 1, 4) mesh, training on another (the sync step above covers
+  one device: the same rollout and learn step, jitted together)."""
+  rollout_mesh, train_mesh = meshes_for("tensor4")
+  policy, graphdef, params, online = rl_models()
+  state = rl.init_train_state(params, LEARNER, train_mesh, rng=jax.random.key(0),
+                              drafter_params=online.trainable)
+  pipe = async_pipeline.AsyncPipeline(
+      graphdef, policy, TASK, LEARNER, ROLLOUT, rollout_mesh=rollout_mesh,
+      train_mesh=train_mesh, state=state, prompt_width=PROMPT_WIDTH, max_policy_lag=1,
+      online=online, spec=sj.SpecConfig(num_draft_tokens=2), engine=RL_ENGINE)
+  pushed = pipe.push_weights(state)
+  prompts = jax.device_put(PROMPTS.take([0, 1]), NamedSharding(rollout_mesh, P(BATCH_AXES)))
+  rng = jax.device_put(jax.random.key(0), NamedSharding(rollout_mesh, P()))
+  return pipe, state, (*pushed, prompts, rng, 0)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_async_rollout_and_train_steps_lower(platform, pipeline):
+  pipe, state, rollout_args = pipeline
+  rollout_exported = export(pipe.rollout_program, rollout_args, platform)
+  assert_runs_the_kernel(rollout_exported, platform, pipe.rollout_mesh.size)
+  trajectories = jax.eval_shape(pipe.rollout_program, *rollout_args)
+  rows = NamedSharding(pipe.train_mesh, P(BATCH_AXES))
+  whole = NamedSharding(pipe.train_mesh, P())
+  on_train_mesh = lambda sharding: lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                   sharding=sharding)
+  trajectories = jax.tree.map(on_train_mesh(whole), trajectories).replace(
+      batch=jax.tree.map(on_train_mesh(rows), trajectories.batch))
+  train_exported = export(pipe.train_program, (state, trajectories), platform)
+  assert train_exported.platforms == (platform,)
+  assert train_exported.nr_devices == pipe.train_mesh.size
+
+
+# --- drafter training ----------------------------------------------------------------
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_offline_drafter_training_lowers(platform):
+  """One AdamW step of an MTP head on a frozen target (``train_offline``'s program);
+  online training is in the sync and async steps above."""
+  target = sj.Transformer(small("qwen3-0.6b", num_layers=2), rngs=nnx.Rngs(0))
+  drafter = sj.drafters.MTP(target, seed=1)
+  graphdef, target_params = nnx.split(target)
+  config = offline.DrafterTrainingConfig(num_updates=1, batch_size=2, unroll_steps=2)
+  update = offline.make_update(drafter, graphdef, config)
+  trainable, shared = drafter.weights["trainable"], drafter.weights["shared"]
+  tokens = jnp.zeros((2, 32), jnp.int32)
+  args = (trainable, jax.eval_shape(config.optimizer().init, trainable), shared, target_params,
+          tokens,
+          jnp.ones((2, 32), bool))
+  exported = export(update, args, platform)
+  assert exported.platforms == (platform,)

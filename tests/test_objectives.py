@@ -3,6 +3,7 @@ hand-written references of the papers' formulas (values and gradients, with padd
 an empty response and micro-batches), in the loss and in the learner; unknown names
 refused with the registered ones; a short `specrl train` run with each."""
 
+import dataclasses
 import json
 
 import chex
@@ -16,8 +17,9 @@ import specrl_jax as sj
 from specrl_jax import parallel, rl
 from specrl_jax.config import ConfigError
 from specrl_jax.rl import tasks
-from specrl_jax.rl.app import train_command
+from specrl_jax.rl.app import experiment, run_directory, train_command
 from specrl_jax.rl.app.metrics import read_jsonl
+from specrl_jax.rl.app.overrides import to_dict
 
 B, T = 6, 7
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -227,6 +229,27 @@ def test_new_objectives_and_estimators_register_by_name():
     assert float(metrics["clip_fraction"]) == 0.0
   finally:
     del rl.OBJECTIVES["test-reinforce"], rl.ADVANTAGES["test-leave-one-out"]
+
+
+def test_a_run_recorded_with_normalize_std_resumes_with_the_estimator_it_used(tmp_path):
+  """Runs recorded before advantages had names said normalize_std=True / False."""
+  def with_advantage(name):
+    config = experiment.PRESETS["tiny"]
+    loss = dataclasses.replace(config.learner.loss, advantage=name)
+    return dataclasses.replace(config, learner=dataclasses.replace(config.learner, loss=loss))
+
+  record = to_dict(with_advantage("group-normalized"))
+  del record["learner"]["loss"]["advantage"]
+  record["learner"]["loss"]["normalize_std"] = False
+  run_directory.write_json(str(tmp_path / run_directory.CONFIG), record)
+  defaults = to_dict(experiment.ExperimentConfig())
+  run_directory.check_resumable(str(tmp_path), [2], to_dict(with_advantage("group-centered")),
+                                defaults=defaults)
+  with pytest.raises(ConfigError, match="learner.loss.advantage: 'group-centered' -> "
+                                        "'group-normalized'"):
+    run_directory.check_resumable(str(tmp_path), [2],
+                                  to_dict(with_advantage("group-normalized")), defaults=defaults)
+  assert experiment.from_dict(record).learner.loss.advantage == "group-centered"
 
 
 # The learner: one update of a tiny policy in two micro-batches, its loss and gradient

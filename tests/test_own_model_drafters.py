@@ -29,8 +29,6 @@ from specrl_jax.speculative.drafters.history_store import HistoryConfig, History
 
 from test_own_model import SPECIALS, _train_argv, workspace  # noqa: F401  (the fixture)
 
-jax.config.update("jax_compilation_cache_dir", None)
-
 
 @pytest.fixture(scope="module")
 def drafter_folders(workspace):  # noqa: F811
@@ -201,3 +199,16 @@ def test_the_memory_remembers_each_rows_response_after_its_prompt():
   RolloutMemory(store=store).observe(prompts_PxT, lengths_P, tokens_RxC, lengths_R, 2)
   assert store.responses([5, 6, 7]) == [[1, 2], [3]]
   assert store.responses([8, 9]) == [[4, 4, 4], [2]]
+
+
+def test_the_simulator_costs_every_registered_kind_by_name():
+  from specrl_jax.sim import drafter_spec, get_model
+  target = get_model("qwen3-8b")
+  for kind in drafter_registry.DRAFTERS.values():
+    if kind.simulator is not None:
+      option = ":qwen3-0.6b" if kind.simulator == "draft_model" else ""
+      assert drafter_spec(kind.simulator + option, target).kind == kind.simulator
+  assert drafter_spec("draft:qwen3-0.6b", target).kind == "draft_model"  # the older spelling
+  assert drafter_spec("history", target).step_network is None
+  with pytest.raises(ConfigError, match="one of"):
+    drafter_spec("medusa", target)

@@ -71,7 +71,7 @@ def test_the_plan_shows_what_the_dataset_preset_sets_silently():
   text = "\n".join(lines)
   for expected in ("rate 1e-06", "100 GRPO steps", "at most 256 new tokens",
                    "90 rows to train on, 10 held out", "reward:   exact_match",
-                   "drafter:  ngram", "output:   runs/dataset", "vocabulary 60"):
+                   "drafter:  history", "output:   runs/dataset", "vocabulary 60"):
     assert expected in text, expected
 
 

@@ -29,6 +29,11 @@ def attention_backend() -> str:
   return _target.get() or jax.default_backend()
 
 
+def lowering_platform() -> str | None:
+  """The backend programs are being lowered for (inside ``lowering_for``), else None."""
+  return _target.get()
+
+
 @contextlib.contextmanager
 def lowering_for(platform: str) -> Iterator[None]:
   """Programs traced within select the attention kernels of ``platform`` (one of

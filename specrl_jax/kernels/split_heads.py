@@ -50,8 +50,11 @@ class SplitHeads:
             k_new_BxLxKxD, v_new_BxLxKxD, new_mask_BxTxL)
     if not self.splits(k_pages_PxKxSxD.shape[1]):
       return paged_attention_reference(*args)
+    # Inside a per-shard program the context's mesh (its batch axes manual) is the one
+    # to nest in; elsewhere, ours.
+    context = jax.sharding.get_abstract_mesh()
     per_shard = jax.shard_map(
-        self.kernel, mesh=self.mesh,
+        self.kernel, mesh=self.mesh if context.empty else context,
         in_specs=(_HEADS, _PAGE_HEADS, _PAGE_HEADS, P(), P(), _HEADS, _HEADS, P()),
         out_specs=_HEADS, axis_names=self.axes_to_enter(), check_vma=False)
     return per_shard(*args)
@@ -60,5 +63,6 @@ class SplitHeads:
     """Every axis of the mesh not already manual where this is traced: Mosaic kernels
     lower only in a region manual over all of them (the batch axes, when a per-shard
     program has not made them manual already, hold one shard: their specs replicate)."""
-    already = set(jax.sharding.get_abstract_mesh().manual_axes)
+    context = jax.sharding.get_abstract_mesh()
+    already = set() if context.empty else set(context.manual_axes)
     return set(self.mesh.axis_names) - already

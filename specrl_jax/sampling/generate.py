@@ -71,10 +71,20 @@ def decode(model: Transformer, prompts: list[list[int]], rng: jax.Array, *,
     hook_params, placement = sharded.place_drafter(hook_params, params, mesh)
     inputs, rng = sharded.replicate(mesh, (inputs, rng))
   if decode_fn is not None:
-    return decode_fn(graphdef, params, hook_params, inputs, rng, layout, placement)
-  return trim(generate_whole(graphdef, params, inputs, rng, sampling=sampling, layout=layout,
-                             rounds=rounds, hook_params=hook_params, placement=placement),
-              len(prompts))
+    return with_attention(decode_fn(graphdef, params, hook_params, inputs, rng, layout,
+                                    placement), layout)
+  return with_attention(trim(generate_whole(
+      graphdef, params, inputs, rng, sampling=sampling, layout=layout, rounds=rounds,
+      hook_params=hook_params, placement=placement), len(prompts)), layout)
+
+
+def with_attention(output: GenerateOutput, layout) -> GenerateOutput:
+  """``output`` with ``stats["attention"]`` (the EngineConfig choice its programs
+  used) and ``stats["attention_fallback"]`` (why "auto" fell back to the reference,
+  naming the kernel and its compile error; None if it did not)."""
+  output.stats["attention"] = layout.attention
+  output.stats["attention_fallback"] = layout.attention_fallback
+  return output
 
 
 def _decode_on_shards(config, graphdef, params, prompts: list[list[int]], rng, *,
@@ -114,4 +124,4 @@ def _decode_on_shards(config, graphdef, params, prompts: list[list[int]], rng, *
   if layout.compaction_min_width:
     # Shards compact on their own; their rounds per width are summed.
     output.stats["compaction"] = compaction_stats(counters, widths_of(layout))
-  return output
+  return with_attention(output, layout)

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specrl_jax.config import SamplingParams
+from specrl_jax.kernels.fallback import checked_attention
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.memory import plan_engine_memory, sharded_bytes, tree_bytes
 from specrl_jax.sampling.hooks import RoundHook
@@ -31,6 +32,8 @@ class Layout:
   # The mesh whose "tensor" axis splits the heads (None: one device, or tensor = 1):
   # the kernels then run per head shard (``sharded.layout_on_mesh``).
   tensor_mesh: Mesh | None = None
+  # Why "auto" took the reference: its kernel failed to compile here (``kernels.fallback``).
+  attention_fallback: str | None = None
   # The narrowest width slot compaction goes to (0: none; ``sampling.compaction``).
   compaction_min_width: int = 0
 
@@ -121,10 +124,14 @@ def engine_layout(config, *, prompt_width: int, prompt_pages: int, num_requests:
     num_slots = plan.admit(num_slots, pages_per_sequence=max_pages, reserved_pages=reserved,
                            shrink=engine.num_slots == 0)
   enough = reserved + num_slots * max_pages
+  kv_dtype = engine.kv_dtype or config.dtype
+  attention, fallback = checked_attention(
+      engine.attention, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+      head_dim=config.head_dim, page_size=page_size, dtype=kv_dtype)
   return Layout(num_slots=num_slots, page_size=page_size,
                  num_pages=plan.num_pages if plan is not None else engine.num_pages or enough,
                  max_pages_per_seq=max_pages,
                  max_new_tokens=sampling.max_new_tokens,
                  continuous=engine.continuous_batching, pages_always_enough=enough,
-                 kv_dtype=engine.kv_dtype or config.dtype, attention=engine.attention,
+                 kv_dtype=kv_dtype, attention=attention, attention_fallback=fallback,
                  compaction_min_width=engine.compaction_min_width if engine.compaction else 0)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specrl_jax.config import SamplingParams
-from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs, TreeLevel
 from specrl_jax.speculative.topology import TreeTopology
 
 Array = jax.Array
@@ -68,8 +68,9 @@ def draft_tree(rng: Array, drafter: Drafter, params, state, kv, inputs: RoundInp
     paths = topology.path_nodes[nodes][:, :depth + 1]
     paths_NxWxZ = all_tokens[:, paths - 1]
     mask_WxJ = topology.ancestor_mask[nodes][:, 1:start + len(nodes)]
-    level_log_q, scratch = drafter.extend(params, state, kv, scratch, inputs, sampling,
-                                          depth + 1, level_tokens, paths_NxWxZ, mask_WxJ)
+    level = TreeLevel(depth=depth + 1, tokens_NxW=level_tokens, paths_NxWxZ=paths_NxWxZ,
+                      mask_WxJ=mask_WxJ, sampling=sampling)
+    level_log_q, scratch = drafter.extend(params, state, kv, scratch, inputs, level)
     internal_log_q.append(level_log_q)
   tree = DraftTree(tokens_NxJ=jnp.concatenate(tokens, axis=1),
                    valid_NxJ=jnp.concatenate(valid, axis=1),

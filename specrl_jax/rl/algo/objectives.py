@@ -60,11 +60,12 @@ def _clipped_surrogate(ratio: Array, advantages: Array, config: "GRPOConfig"
 @register_objective("grpo")
 def _grpo(logprobs_BxT: Array, old_logprobs_BxT: Array, advantages_B: Array,
           valid_BxT: Array, config: "GRPOConfig") -> ObjectiveTerms:
-  """GRPO (Shao et al. 2024, DeepSeekMath), also DAPO's and Dr.GRPO's objective: PPO's
-  clipped surrogate per token, ratio pi / pi_old of each sampled token. DAPO (Yu et
-  al. 2025) differs in the bounds (clip-higher: clip_eps_high > clip_eps_low) and the
-  aggregation (token-mean), Dr.GRPO (Liu et al. 2025) in the aggregation and the
-  advantages (group-centered), not here."""
+  """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), also DAPO's and
+  Dr.GRPO's objective: PPO's clipped surrogate per token, ratio pi / pi_old of each
+  sampled token. DAPO (Yu et al. 2025, arXiv:2503.14476) differs in the bounds
+  (clip-higher: clip_eps_high > clip_eps_low) and the aggregation (token-mean),
+  Dr.GRPO (Liu et al. 2025) in the aggregation and the advantages (group-centered),
+  not here."""
   del valid_BxT
   ratio_BxT = jnp.exp(logprobs_BxT - old_logprobs_BxT)
   return _clipped_surrogate(ratio_BxT, advantages_B[:, None], config)
@@ -82,8 +83,8 @@ def sequence_log_ratio(logprobs_BxT: Array, old_logprobs_BxT: Array,
 @register_objective("gspo")
 def _gspo(logprobs_BxT: Array, old_logprobs_BxT: Array, advantages_B: Array,
           valid_BxT: Array, config: "GRPOConfig") -> ObjectiveTerms:
-  """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071; TRL's
-  ``importance_sampling_level="sequence"``): the clipped surrogate on one ratio per
+  """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071;
+  TRL's ``importance_sampling_level="sequence"``): the clipped surrogate on one ratio per
   sequence, s = (pi(y|x) / pi_old(y|x))^(1/|y|) = exp(mean token log-ratio). Token
   ratios are noisy estimates of a sequence-level correction, and their variance grows
   with the length (worst on MoE models, whose routing shifts between updates); the
@@ -100,12 +101,12 @@ def _gspo(logprobs_BxT: Array, old_logprobs_BxT: Array, advantages_B: Array,
 def _cispo(logprobs_BxT: Array, old_logprobs_BxT: Array, advantages_B: Array,
            valid_BxT: Array, config: "GRPOConfig") -> ObjectiveTerms:
   """CISPO (MiniMax 2025, the MiniMax-M1 report, arXiv:2506.13585; ScaleRL's choice,
-  Khatri et al. 2025, arXiv:2510.13786): REINFORCE with a truncated, stop-gradient importance weight on every token,
-  -sg(min(r, 1 + clip_eps_high)) A log pi. PPO's clip zeroes the gradient of a token
-  whose ratio left the trust region, and the rare tokens that fork a reasoning path
-  (low pi_old, so large ratios) are exactly those; CISPO keeps every token's gradient
-  and bounds only its weight. Both papers truncate from above only (MiniMax-M1 sets
-  no lower bound), so clip_eps_low is not read."""
+  Khatri et al. 2025, arXiv:2510.13786): REINFORCE with a truncated, stop-gradient
+  importance weight on every token, -sg(min(r, 1 + clip_eps_high)) A log pi. PPO's
+  clip zeroes the gradient of a token whose ratio left the trust region, and the rare
+  tokens that fork a reasoning path (low pi_old, so large ratios) are exactly those;
+  CISPO keeps every token's gradient and bounds only its weight. Both papers truncate
+  from above only (MiniMax-M1 sets no lower bound), so clip_eps_low is not read."""
   del valid_BxT
   ratio_BxT = jnp.exp(logprobs_BxT - old_logprobs_BxT)
   cap = 1.0 + config.clip_eps_high

@@ -4,6 +4,7 @@ contract): none, ngram, history, draft_model, eagle3, mtp."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from flax import nnx
@@ -116,7 +117,6 @@ def _head_files(name: str, specforge: bool):
       return
     native = os.path.join(section.path, NATIVE_HEAD)
     if os.path.isfile(native):
-      import json
       with open(native) as f:
         saved = json.load(f).get("kind")
       expected = "Eagle3" if name == "eagle3" else "MTP"

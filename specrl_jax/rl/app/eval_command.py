@@ -28,6 +28,7 @@ from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError
 from specrl_jax.rl.app import command_errors, run_directory
 from specrl_jax.rl.loop.evaluation import evaluate
+from specrl_jax.rl.tasks.python_reward import take_failures
 from specrl_jax.rl.app.experiment import PRESETS, apply_overrides, from_dict
 
 # Options of the command itself; anything else is a --section.field override.
@@ -113,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise
     print(f"specrl eval: {command_errors.one_line(error)}", file=sys.stderr)
     return 1
+  for line in take_failures():  # samples scored 0: their reward worker timed out or died
+    print(f"specrl eval: warning: {line}", file=sys.stderr)
   print(json.dumps({"checkpoint": options["--checkpoint"], "step": step, "k": options["--k"],
                     **result}, indent=2))
   return 0

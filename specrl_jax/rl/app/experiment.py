@@ -21,6 +21,7 @@ from specrl_jax.rl.app import drafter_registry
 from specrl_jax.rl.app.data_section import DataSection
 from specrl_jax.rl.loop.learner import LearnerConfig
 from specrl_jax.rl.algo.losses import GRPOConfig
+from specrl_jax.rl.app import run_directory
 from specrl_jax.rl.app.overrides import apply_overrides, from_dict_of, to_dict  # noqa: F401
 from specrl_jax.rl.loop.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
@@ -319,9 +320,11 @@ PRESETS: dict[str, ExperimentConfig] = {
         learner=dataclasses.replace(LEARNER, learning_rate=1e-3, warmup_steps=0),
         output=OutputSection(directory="runs/tiny", checkpoint_every=2, plots=False)),
     # `specrl train --model=PATH --dataset=PATH`: a pretrained policy on a dataset, no
-    # warm start, n-gram drafts (a draft model would have to be distilled first).
+    # warm start, history drafts: no weights to train, and the only drafter whose
+    # acceptance grows as the epochs revisit prompts (experiments/bench_own_model.py,
+    # docs/drafters.md); rollouts kept up to data.max_response_tokens' default 256.
     "dataset": ExperimentConfig(
-        drafter=DrafterSection(kind="ngram"),
+        drafter=DrafterSection(kind="history", history=HistoryConfig(rollout_tokens=288)),
         warm_start=WarmStartSection(sft_steps=0, distill_steps=0),
         rl=RLSection(steps=100, group_size=8, prompts_per_step=8,
                      engine=EngineConfig(num_slots=0)),
@@ -340,5 +343,5 @@ def experiment_config(preset: str = "demo", overrides: Sequence[str] = ()) -> Ex
 
 
 def from_dict(record: dict[str, Any]) -> ExperimentConfig:
-  """The experiment config a run recorded (``to_dict``)."""
-  return from_dict_of(ExperimentConfig, record)
+  """The experiment config a run recorded (``to_dict``), retired fields replaced."""
+  return from_dict_of(ExperimentConfig, run_directory.upgrade_record(record))

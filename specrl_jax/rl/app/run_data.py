@@ -135,11 +135,6 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
     records["samples"] = samples
   if isinstance(task, DatasetTask) and task.skipped_rows:
     records["data_skipped_rows"] = task.skipped_rows
-  failures = take_failures()  # samples scored 0 because their worker timed out or died
-  for line in failures:
-    _log(f"warning: step {step}: {line}")
-  if failures or (isinstance(task, DatasetTask) and task.workers):
-    records["reward_failures"] = len(failures)
   every = config.data.eval_every
   # One process's evaluation: the weights of a multi-process mesh are not all here.
   if (held_out is not None and every and (step + 1) % every == 0
@@ -151,4 +146,10 @@ def step_records(config: ExperimentConfig, task: Task, held_out: DatasetTask | N
                       threshold=config.data.correct_threshold,
                       max_prompts=config.data.eval_max_prompts)
     records.update({f"eval_{name}": value for name, value in result.items()})
+  # Samples scored 0 because their worker timed out or died (the evaluation's too).
+  failures = take_failures()
+  for line in failures:
+    _log(f"warning: step {step}: {line}")
+  if failures or (isinstance(task, DatasetTask) and task.workers):
+    records["reward_failures"] = len(failures)
   return records

@@ -35,6 +35,29 @@ RESUMABLE = ("rl.steps", "rl.mesh", "rl.rollout_devices", "rl.train_devices",
              "data.allow_changed_dataset")
 
 
+# Fields a newer config replaced by another of the same section, with the replacement's
+# value for each recorded one: a record written before the change then resumes (or is
+# refused) by what it meant, instead of by a field the config no longer has.
+RETIRED = {
+    "learner.loss.normalize_std": ("advantage", {True: "group-normalized",
+                                                 False: "group-centered"}),
+}
+
+
+def upgrade_record(record: Mapping[str, Any]) -> dict[str, Any]:
+  """``record`` (a config as a dict) with its RETIRED fields replaced."""
+  record = json.loads(json.dumps(record))  # a deep copy, as JSON data
+  for path, (replacement, values) in RETIRED.items():
+    *sections, name = path.split(".")
+    section = record
+    for part in sections:
+      section = section.get(part) if isinstance(section, dict) else None
+    if isinstance(section, dict) and name in section:
+      value = section.pop(name)
+      section.setdefault(replacement, values.get(value, value))
+  return record
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   """Nested dicts as {"section.field": value}; lists (from JSON) as tuples."""
   flat = {}
@@ -104,7 +127,8 @@ def check_resumable(directory: str, checkpoint_steps: list[int],
   recorded = read_json(os.path.join(directory, CONFIG))
   if recorded is None:
     return  # an older run without a record: restoring checks the state's shapes
-  changed = differences(recorded, config, ignore=RESUMABLE, defaults=defaults)
+  changed = differences(upgrade_record(recorded), config, ignore=RESUMABLE,
+                        defaults=defaults)
   if changed:
     raise ConfigError(
         f"the run in {directory} has checkpoints (steps {checkpoint_steps}) made with "

@@ -12,7 +12,7 @@ resume and plots.
 
 --model / --dataset / --reward (with "=" or a space) are --policy.path, --data.path
 and --data.reward; with --model or --dataset the preset is "dataset" (learning rate
-1e-6, 100 steps, at most 256 new tokens, n-gram drafts; the run prints its plan first).
+1e-6, 100 steps, at most 256 new tokens, history drafts; the run prints its plan first).
 
 e.g. ``specrl train --preset=demo --rl.mode=async --rl.rollout_devices=4
 --rl.train_devices=4 --output.directory=runs/async``. Re-running with the same
@@ -83,12 +83,12 @@ def _train(argv: list[str]) -> dict[str, Any] | None:
   session = Session(config, log=log)
   cache = cache_directory(config.output.compilation_cache, config.output.directory)
   command_errors.check_cache_path(cache)
+  session.check()  # what cannot work fails now, not after the warm start
+  session.announce()
   # Process 0 holds the lock for all: the others write only checkpoint shards.
   lock = (run_lock.held(config.output.directory, log=log) if distributed.is_primary()
           else contextlib.nullcontext())
   with lock:
-    session.check()  # what cannot work fails now, not after the warm start
-    session.announce()
     with persistent_cache(cache):
       return session.train(session.warm_start())
 

@@ -152,6 +152,18 @@ class AsyncPipeline:
     self.trained_on: list[tuple[int, int]] = []
     self._in_flight: collections.deque[_Started] = collections.deque()
 
+  @property
+  def rollout_program(self):
+    """The jitted rollout on the rollout mesh: ``(params, drafter_params, prompts, rng,
+    version) -> Trajectories`` (e.g. to lower it for another platform)."""
+    return self._rollout
+
+  @property
+  def train_program(self):
+    """The jitted learn step on the train mesh: ``(state, trajectories) -> (state,
+    metrics)``, the state donated."""
+    return self._train
+
   # -------------------------------------------------------------- weights and data
 
   def push_weights(self, state: TrainState):

@@ -157,6 +157,8 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                     final.counters["rounds_by_live"][:layout.num_slots // 2 + 1]),
                 "request_rounds": jnp.sum(final.counters["request_rounds_R"]),
                 "draft_rounds": final.counters.get("draft_rounds", jnp.int32(0)),
+                # 1 on every shard whose "auto" attention fell back to the reference.
+                "attention_fallback": jnp.int32(layout.attention_fallback is not None),
                 "accepted_per_position": final.counters.get(
                     "accepted_per_position", jnp.zeros((depth,), jnp.int32))}
     per_shard = jax.tree.map(lambda x: x[None], (counters, final.pool.exhausted))
@@ -224,6 +226,8 @@ def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str
       "acceptance_length": acceptance_length(accepted, counters["draft_rounds"]),
       "per_position_acceptance": accepted / rounds,
       "pool_exhausted": trajectories.exhausted,
+      # The kernel that failed to compile is named in the warning it raised.
+      "attention_fallback": counters["attention_fallback"] > 0,
       "policy_version": trajectories.policy_version,
   }
 

@@ -17,6 +17,7 @@ _SOURCES = {
     "MTP": "mtp",
     "NGram": "ngram",
     "RoundInputs": "base",
+    "TreeLevel": "base",
     "load_drafter": "checkpoints",
     "load_specforge": "specforge",
     "save_drafter": "checkpoints",

@@ -17,6 +17,7 @@ feeding masks, the tree levels' scratch) and leaves them only their network.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -51,6 +52,23 @@ class RoundInputs:
     return cls(last_token_N=state.last_token_N, cache_lengths_N=state.cache_lengths_N,
                history_NxC=state.history_NxC, active_N=state.active_N,
                prompt_lengths_N=state.prompt_lengths_N, slot_request_N=state.slot_request_N)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLevel:
+  """The W nodes of one tree level that ``Drafter.extend`` scores. Built inside the
+  compiled round (never passed through a jit boundary), so it is a plain container.
+
+  depth: the level, 1 for the root's children; tokens_NxW: its nodes' tokens;
+  paths_NxWxZ: the tokens from depth 1 down to each node (the first ``depth`` of Z);
+  mask_WxJ: which drafted nodes of the earlier levels each node attends to (its
+  ancestors; J counts the nodes up to this level's); sampling: the round's warp.
+  """
+  depth: int
+  tokens_NxW: Array
+  paths_NxWxZ: Array
+  mask_WxJ: Any  # a numpy constant of the tree's topology, or an array
+  sampling: SamplingParams
 
 
 class Drafter(abc.ABC):
@@ -101,10 +119,9 @@ class Drafter(abc.ABC):
     """Returns (log q [N, V] at the root, state, kv, scratch for ``extend``)."""
 
   @abc.abstractmethod
-  def extend(self, params, state, kv, scratch, inputs: RoundInputs,
-             sampling: SamplingParams, depth: int, tokens_NxW: Array, paths_NxWxZ: Array,
-             mask_WxJ) -> tuple[Array, Any]:
-    """log q [N, W, V] after each of the W nodes at ``depth`` (their tokens and the
+  def extend(self, params, state, kv, scratch, inputs: RoundInputs, level: TreeLevel
+             ) -> tuple[Array, Any]:
+    """log q [N, W, V] after each of the W nodes of ``level`` (their tokens and the
     token paths from depth 1 down to them are given), and the updated scratch."""
 
   def finish(self, params, state, kv, inputs: RoundInputs, verdict, target_output

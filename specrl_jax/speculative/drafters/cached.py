@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.kv.paged import LayerOffset
-from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs, TreeLevel
 
 Array = jax.Array
 
@@ -122,12 +122,13 @@ class CachedDrafter(Drafter):
     _, kv = self.feed(params, kv, inputs, cached_N, count_N, max_tokens)
     return {"cache_lengths_N": cached_N + count_N}, kv
 
-  def extend(self, params, state, kv: LayerOffset, scratch: LevelScratch, inputs, sampling,
-             depth, tokens_NxW, paths_NxWxZ, mask_WxJ):
+  def extend(self, params, state, kv: LayerOffset, scratch: LevelScratch, inputs,
+             level: TreeLevel):
+    tokens_NxW, mask_WxJ = level.tokens_NxW, level.mask_WxJ
     num_slots, width = tokens_NxW.shape
     # The level sits after the root (fed by ``start`` at inputs.cache_lengths_N) and
     # attends to its ancestors among the earlier levels' scratch keys; it writes nothing.
-    positions_NxW = jnp.broadcast_to((inputs.cache_lengths_N + depth)[:, None],
+    positions_NxW = jnp.broadcast_to((inputs.cache_lengths_N + level.depth)[:, None],
                                      (num_slots, width))
     level_kv = kv.replace(inner=kv.inner.replace(
         prefix_lengths_B=inputs.cache_lengths_N + 1,
@@ -135,7 +136,7 @@ class CachedDrafter(Drafter):
         write_positions_BxT=jnp.full((num_slots, width), -1, jnp.int32),
         stash=True, new_k=(), new_v=(), scratch_k=scratch.keys, scratch_v=scratch.values))
     log_q_NxWxV, outputs_NxWxD, level_kv = self.decode_level(
-        params, tokens_NxW, positions_NxW, scratch.parents_NxIxD, level_kv, sampling)
+        params, tokens_NxW, positions_NxW, scratch.parents_NxIxD, level_kv, level.sampling)
     new_k, new_v = level_kv.inner.new_k, level_kv.inner.new_v
     if scratch.keys:
       new_k = tuple(jnp.concatenate([old, new], axis=1) for old, new in zip(scratch.keys, new_k))

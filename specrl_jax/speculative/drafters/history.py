@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specrl_jax.config import ConfigError
-from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs, TreeLevel
 from specrl_jax.speculative.drafters.history_store import (HistoryConfig, HistoryStore,
                                                            prompt_keys, rollout_rows,
                                                            store_layout)
@@ -316,15 +316,14 @@ class History(Drafter):
     # Deeper levels extend the root's runs by their tokens (see ``extend_runs``).
     return log_q_NxV, state, kv, (sources_NxC, run_Nx1xC, fallback_scratch)
 
-  def extend(self, params, state: HistoryState, kv, scratch, inputs, sampling, depth,
-             tokens_NxW, paths_NxWxZ, mask_WxJ):
+  def extend(self, params, state: HistoryState, kv, scratch, inputs, level: TreeLevel):
     sources_NxC, parent_runs_NxPxC, fallback_scratch = scratch
-    run_NxWxC = extend_runs(sources_NxC, parent_runs_NxPxC, tokens_NxW, self.config.max_match)
+    run_NxWxC = extend_runs(sources_NxC, parent_runs_NxPxC, level.tokens_NxW,
+                            self.config.max_match)
     log_q_NxWxV = self._history_log_q(sources_NxC, run_NxWxC)
     if self.fallback is not None:
       fallback_log_q_NxWxV, fallback_scratch = self.fallback.extend(
-          params["fallback"], state.fallback, kv, fallback_scratch, inputs, sampling, depth,
-          tokens_NxW, paths_NxWxZ, mask_WxJ)
+          params["fallback"], state.fallback, kv, fallback_scratch, inputs, level)
       from_history_NxW = jnp.any(log_q_NxWxV > -jnp.inf, axis=-1)
       log_q_NxWxV = jnp.where(from_history_NxW[..., None], log_q_NxWxV, fallback_log_q_NxWxV)
     return log_q_NxWxV, (sources_NxC, run_NxWxC, fallback_scratch)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.config import ConfigError, is_integer
-from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.drafters.base import Drafter, TreeLevel
 from specrl_jax.speculative.drafters.matching import longest_match_log_probs
 
 Array = jax.Array
@@ -77,10 +77,9 @@ class NGram(Drafter):
                                     self.vocab_size, self.n, self.min_n)
     return log_q[:, 0], state, kv, ()
 
-  def extend(self, params, state, kv, scratch, inputs, sampling, depth, tokens_NxW,
-             paths_NxWxZ, mask_WxJ):
-    width = tokens_NxW.shape[1]
-    tail_NxWxn = jnp.broadcast_to(self._tail(inputs)[:, None], (tokens_NxW.shape[0], width, self.n))
-    context = jnp.concatenate([tail_NxWxn, paths_NxWxZ[:, :, :depth]], axis=-1)
+  def extend(self, params, state, kv, scratch, inputs, level: TreeLevel):
+    num_slots, width = level.tokens_NxW.shape
+    tail_NxWxn = jnp.broadcast_to(self._tail(inputs)[:, None], (num_slots, width, self.n))
+    context = jnp.concatenate([tail_NxWxn, level.paths_NxWxZ[:, :, :level.depth]], axis=-1)
     return longest_match_log_probs(self._sources(inputs), context, self.vocab_size, self.n,
                                    self.min_n), scratch
