@@ -26,6 +26,7 @@ $(TEST_STAMP): pyproject.toml | $(PY)
 
 demo: $(RUNTIME_STAMP)
 	$(PY) -m specrl_jax.cli demo
+	@echo "specrl is installed in $(VENV)/bin: 'source $(VENV)/bin/activate' puts it on PATH (or run $(VENV)/bin/specrl train --help)"
 
 # The default suite covers every verification mode, temperature, warp and k through a
 # pairwise covering design; test-full adds the full cross

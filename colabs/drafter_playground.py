@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -29,28 +31,40 @@
 # drafter can be *anything* that returns a distribution: however poor, the output
 # distribution is the policy's; a better q only means more tokens per policy forward.
 #
-# In Colab pick a runtime (Runtime > Change runtime type: TPU, GPU or CPU) and run all.
+# In Colab pick a runtime (Runtime > Change runtime type: TPU, GPU or CPU), set
+# SPECRL_SOURCE in the install cell below (where specrl_jax comes from: a path, a
+# wheel or a URL; default: the installed package), and run all.
 # With `SPECRL_FAST=1` (the test suite) the settings are tiny.
 
 # %%
-# Colab only: install specrl_jax and the JAX build that matches the runtime's
-# accelerator. Anywhere else this cell does nothing (the package is installed already).
+# Install specrl_jax from where you keep it. SPECRL_SOURCE is a pip requirement:
+#   a path   "/content/specrl_jax" (a clone, or the repository uploaded to Colab),
+#   a wheel  "/content/specrl_jax-0.1.0-py3-none-any.whl" (`python -m build` makes one),
+#   a URL    "git+https://github.com/YOU/specrl_jax.git" (your fork).
+# Default "" (or the SPECRL_SOURCE environment variable): install nothing and use the
+# specrl_jax this kernel already imports (a local Jupyter in the project's .venv, the
+# test suite). The project is not published to PyPI or a public repository yet, so in
+# Colab set it before running this cell. In Colab the JAX build that matches the
+# runtime's accelerator is installed with it.
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 
-SPECRL_REPO = os.environ.get("SPECRL_REPO", "git+https://github.com/specrl-jax/specrl_jax.git")
-if "google.colab" in sys.modules:
-  if glob.glob("/dev/accel*") or "COLAB_TPU_ADDR" in os.environ:
-    jax_package = "jax[tpu]>=0.10,<0.13"
-  elif shutil.which("nvidia-smi"):
-    jax_package = "jax[cuda12]>=0.10,<0.13"
-  else:
-    jax_package = "jax>=0.10,<0.13"
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", jax_package, SPECRL_REPO],
-                 check=True)
+SPECRL_SOURCE = os.environ.get("SPECRL_SOURCE", "")
+if SPECRL_SOURCE:
+  packages = [SPECRL_SOURCE]
+  if "google.colab" in sys.modules:
+    if glob.glob("/dev/accel*") or "COLAB_TPU_ADDR" in os.environ:
+      packages.insert(0, "jax[tpu]>=0.10,<0.13")
+    elif shutil.which("nvidia-smi"):
+      packages.insert(0, "jax[cuda12]>=0.10,<0.13")
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", *packages], check=True)
+elif importlib.util.find_spec("specrl_jax") is None:
+  raise RuntimeError("specrl_jax is not installed here: set SPECRL_SOURCE in this cell to "
+                     "a path, a wheel or a pip URL of the project, then run it again.")
 
 # %%
 import time

@@ -30,6 +30,7 @@ from specrl_jax.config import PRESETS, ConfigError, ModelConfig, SamplingParams,
 from specrl_jax.kv.planner import MemoryBudgetError
 from specrl_jax.lazy import lazy_face
 from specrl_jax.models.hf import HFFormatError, load_hf, load_tokenizer, save_hf
+from specrl_jax.models.text_tokenizer import TextTokenizer
 from specrl_jax.models.transformer import ForwardOutput, Transformer
 from specrl_jax.parallel.create import create_model
 from specrl_jax.sampling.engine import EngineConfig
@@ -38,7 +39,7 @@ from specrl_jax.speculative.generate import GenerateOutput, PagePoolExhaustedErr
 __all__ = [
     "ConfigError", "EngineConfig", "ForwardOutput", "GenerateOutput", "HFFormatError",
     "MemoryBudgetError", "ModelConfig", "PRESETS", "PagePoolExhaustedError", "SamplingParams",
-    "SpecConfig", "Transformer", "create_model", "drafters", "generate", "load_hf",
+    "SpecConfig", "TextTokenizer", "Transformer", "create_model", "drafters", "generate", "load_hf",
     "load_tokenizer", "parallel", "rl", "save_hf", "sim", "testing",
 ]
 __getattr__, __dir__ = lazy_face(

@@ -60,3 +60,30 @@ def persistent_cache(directory: str | None) -> Iterator[str | None]:
     compilation_cache.set_cache_dir(configured)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", previous_time)
     compilation_cache.reset_cache()
+
+
+class CompileCounter:
+  """Counts the programs XLA compiles while it is open (JAX's backend-compile events,
+  one per program built; a program found in jit's in-memory cache raises none).
+
+      with CompileCounter() as compiled:
+        ...
+      compiled.count, compiled.seconds
+  """
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.count, self.seconds = 0, 0.0
+
+  def _on_duration(self, name: str, seconds: float, **kwargs) -> None:
+    if name == self.EVENT:
+      self.count += 1
+      self.seconds += seconds
+
+  def __enter__(self) -> "CompileCounter":
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._on_duration)

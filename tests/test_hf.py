@@ -20,6 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+import specrl_jax as sj
 from specrl_jax.config import ConfigError, ModelConfig
 from specrl_jax.models import tokenizer as tok
 from specrl_jax.models.hf import HFFormatError, load_hf, load_tokenizer, save_hf
@@ -281,7 +282,10 @@ def test_tokenizer_saved_with_the_model_loads_in_both_libraries(tmp_path):
                                  num_kv_heads=1, head_dim=16), rngs=nnx.Rngs(0))
   save_hf(ours, tmp_path, tokenizer=tok.builtin_tokenizer())
   text = "12+30=42\nanswer: 42"
-  assert load_tokenizer(tmp_path).encode(text, add_special_tokens=False).ids == tok.encode(text)
+  loaded = load_tokenizer(tmp_path)
+  assert isinstance(loaded, sj.TextTokenizer)  # the chat-template-aware tokenizer
+  assert loaded.encode(text) == tok.encode(text)
+  assert loaded.eos_ids == (tok.EOS_ID,) and loaded.pad_id == tok.PAD_ID
   hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
   assert hf_tokenizer(text, add_special_tokens=False).input_ids == tok.encode(text)
   assert (hf_tokenizer.pad_token_id, hf_tokenizer.bos_token_id,

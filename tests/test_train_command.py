@@ -98,6 +98,16 @@ def test_a_run_writes_metrics_tensorboard_checkpoints_and_plots(runs):
   assert summary["steps"] == 8 and summary["acceptance_length"] > 1
 
 
+def test_a_run_prints_its_plan_before_it_starts(runs):
+  output = runs["whole_output"]
+  plan = output.index("this run:")
+  assert plan < output.index("checkpoint saved")
+  for subject in ("policy:", "data:", "reward:", "drafter:", "sampling:", "steps:",
+                  "learning:", "mesh:", "output:"):
+    assert output.index(subject, plan) < output.index("checkpoint saved"), subject
+  assert "8 GRPO steps (sync) of 4 prompts x 4 samples" in output
+
+
 def test_overrides_reach_the_config_with_their_types():
   config = train_command.parse_argv(["--preset=tiny", "--rl.group_size=8", "--rl.mesh=2,2,1",
                                      "--drafter.online=false", "--learner.learning_rate=3e-4"])

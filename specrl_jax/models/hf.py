@@ -136,10 +136,14 @@ def _config_and_tensors(path: str, *, param_dtype: str | None = None,
   return config, infos
 
 
-def load_tokenizer(path: str | os.PathLike) -> tokenizers.Tokenizer | None:
-  """The folder's tokenizer.json as a ``tokenizers.Tokenizer``; None when absent."""
+def load_tokenizer(path: str | os.PathLike) -> TextTokenizer | None:
+  """The folder's tokenizer as a ``TextTokenizer`` (tokenizer.json with the chat
+  template, special tokens and eos ids of its tokenizer_config.json,
+  generation_config.json and config.json: what ``apply_chat_template`` and generate()
+  read); None when the folder has no tokenizer.json. The raw ``tokenizers.Tokenizer``
+  is its ``.tokenizer``."""
   file = os.path.join(os.fspath(path), TOKENIZER_FILE)
-  return tokenizers.Tokenizer.from_file(file) if os.path.exists(file) else None
+  return TextTokenizer.from_pretrained(path) if os.path.exists(file) else None
 
 
 # --- Writing -------------------------------------------------------------------

@@ -49,23 +49,23 @@ class DataSection:
   prompt_field: str = "prompt"
   answer_field: str = "answer"
   system_field: str = ""
-  system_prompt: str = ""
+  system_prompt: str = ""  # a system prompt for every row (when system_field is empty)
   solution_field: str = ""
   eval_path: str = ""
-  eval_fraction: float = 0.0
+  eval_fraction: float = 0.0  # fraction of path's rows held out for evaluation
   eval_every: int = 0
-  eval_k: int = 4
-  eval_max_prompts: int = 0
+  eval_k: int = 4  # samples per held-out prompt (pass@1..k)
+  eval_max_prompts: int = 0  # held-out prompts evaluated, at most (0 = all)
   reward: str = "exact_match"
   reward_timeout: float = 60.0
   reward_threads: int = 4
   reward_workers: int | None = None
-  reward_memory_mb: int | None = None
+  reward_memory_mb: int | None = None  # extra memory each reward worker may use (None: no limit)
   on_bad_rows: str = "error"
-  correct_threshold: float = 1.0
-  max_prompt_tokens: int = 512
-  max_response_tokens: int = 256
-  seed: int = 0
+  correct_threshold: float = 1.0  # a sample counts as correct for pass@k at this reward or above
+  max_prompt_tokens: int = 512  # rows whose prompt is longer are left out
+  max_response_tokens: int = 256  # tokens a rollout may generate
+  seed: int = 0  # seed of the held-out split
   allow_changed_dataset: bool = False
 
   def __post_init__(self):

@@ -35,13 +35,13 @@ class ModelSection:
   (its own tokenizer drives prompts, stop tokens and decoding), else ("") a fresh
   model of these sizes over the built-in vocabulary."""
   path: str = ""
-  hidden_size: int = 192
-  intermediate_size: int = 512
-  num_layers: int = 3
-  num_heads: int = 6
-  num_kv_heads: int = 2
-  head_dim: int = 32
-  seed: int = 0
+  hidden_size: int = 192  # width of the residual stream
+  intermediate_size: int = 512  # width of each MLP
+  num_layers: int = 3  # decoder blocks
+  num_heads: int = 6  # query heads
+  num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+  head_dim: int = 32  # width of each head
+  seed: int = 0  # initialisation seed of a fresh model
 
   def __post_init__(self):
     check_non_negative_int("ModelSection", "seed", self.seed)
@@ -103,12 +103,12 @@ class TaskSection:
   with ``seed``. Options not used by the chosen task are ignored. longtail_arithmetic
   reads min_digits, max_digits and tail_exponent (its long tail needs a wide range:
   ``--task.min_digits=1 --task.max_digits=16``)."""
-  name: str = "arithmetic"
+  name: str = "arithmetic"  # a registered task (rl.tasks.TASKS)
   min_digits: int = 2
-  max_digits: int = 3
-  tail_exponent: float = 1.0
-  num_numbers: int = 3
-  max_number: int = 9
+  max_digits: int = 3  # operand digits, at most (arithmetic tasks)
+  tail_exponent: float = 1.0  # longtail_arithmetic: P(digits d) ~ d^-tail_exponent
+  num_numbers: int = 3  # countdown: numbers per puzzle
+  max_number: int = 9  # countdown: largest number
   num_prompts: int = 512
   seed: int = 0
 
@@ -130,12 +130,13 @@ class TaskSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmStartSection:
   """SFT of the policy on worked solutions, then distillation of the draft model."""
-  sft_steps: int = 300
-  sft_batch_size: int = 32
-  sft_learning_rate: float = 3e-3
+  sft_steps: int = 300  # SFT updates of the policy (0 = none: a pretrained policy)
+  sft_batch_size: int = 32  # worked solutions per SFT update
+  sft_learning_rate: float = 3e-3  # Adam rate of the SFT
+  # fraction of SFT targets replaced by random tokens (a weaker policy leaves RL room)
   sft_noise: float = 0.0
-  distill_steps: int = 150
-  distill_learning_rate: float = 3e-3
+  distill_steps: int = 150  # updates distilling the draft model from the policy (0 = none)
+  distill_learning_rate: float = 3e-3  # Adam rate of the distillation
 
   def __post_init__(self):
     owner = "WarmStartSection"
@@ -164,17 +165,17 @@ class RLSection:
   ``memory_budget_bytes`` / ``memory_fraction``, ...). With a memory budget and
   num_slots=0 the rollout decodes as many samples at once as fit, and a num_slots that
   cannot fit is refused before anything compiles."""
-  mode: str = "sync"
-  steps: int = 30
-  group_size: int = 8
-  prompts_per_step: int = 8
-  temperature: float = 1.0
+  mode: str = "sync"  # "sync" or "async" (see above)
+  steps: int = 30  # GRPO updates in the run
+  group_size: int = 8  # samples per prompt (a GRPO group)
+  prompts_per_step: int = 8  # prompts per update
+  temperature: float = 1.0  # sampling temperature of the rollouts (> 0)
   engine: EngineConfig = EngineConfig(num_slots=8)
-  max_policy_lag: int = 1
+  max_policy_lag: int = 1  # async: updates a trajectory may lag the policy it trains
   mesh: tuple[int, int, int] = (1, 1, 1)
-  rollout_devices: int = 1
-  train_devices: int = 1
-  seed: int = 0
+  rollout_devices: int = 1  # async: devices of the rollout mesh
+  train_devices: int = 1  # async: devices of the train mesh
+  seed: int = 0  # seed of the data order and the rollouts' sampling
 
   def __post_init__(self):
     owner = "RLSection"
@@ -228,13 +229,13 @@ class OutputSection:
     demo: "auto" (``<parent of directory>/jax_compilation_cache``), "off", or a
     folder; a cache set by JAX_COMPILATION_CACHE_DIR wins (``specrl_jax.compile_cache``).
   """
-  directory: str = "runs/train"
-  checkpoint_every: int = 10
+  directory: str = "runs/train"  # the run directory (re-running with it resumes)
+  checkpoint_every: int = 10  # steps between checkpoints (0 = only at the end)
   keep_checkpoints: int = 3
-  resume: bool = True
-  tensorboard: bool = True
-  plots: bool = True
-  progress: bool = True
+  resume: bool = True  # continue from the directory's latest checkpoint (false: start over)
+  tensorboard: bool = True  # write TensorBoard events beside metrics.jsonl
+  plots: bool = True  # write PNG plots at the end
+  progress: bool = True  # progress bars on stderr
   collapse_window: int = 5
   compilation_cache: str = "auto"
 

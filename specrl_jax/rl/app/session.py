@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from specrl_jax import checkpoint
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.parallel import distributed
-from specrl_jax.rl.app import data_fingerprint, run_data, run_directory
+from specrl_jax.rl.app import data_fingerprint, run_data, run_directory, run_plan
 from specrl_jax.rl.app.drafter_registry import build_drafter
 from specrl_jax.rl.app.experiment import ExperimentConfig, to_dict
 from specrl_jax.rl.app.guards import CollapseDetector, check_step
@@ -40,9 +40,13 @@ class Session:
   """One experiment: task, warm-started models, the RL program, and its outputs."""
 
   def __init__(self, config: ExperimentConfig, *, task: Task | None = None,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print,
+               on_step: Callable[[int, dict[str, Any]], None] | None = None):
+    """on_step(step, metrics): called after each RL step's metrics are written (the
+    demo marks the end of step 0 with it to count what compiles after)."""
     self.config = config
     self.log = log
+    self.on_step = on_step
     self.policy_positions = run_data.policy_positions(config)  # checks the folder first
     # The policy's own tokenizer drives prompts, stop tokens and decoding.
     self.text_tokenizer = run_data.policy_tokenizer(config)
@@ -103,6 +107,24 @@ class Session:
     run_data.check_data(self.config)
     run_data.check_lengths(self.config, self.task, self.prompt_set, self.policy_positions)
     self.check_resumable()
+
+  def plan(self) -> list[str]:
+    """What this run will do, one line per subject (``rl.app.run_plan``)."""
+    data = self.config.data
+    held_out = len(self.eval_task.records) if self.eval_task is not None else 0
+    rows = run_plan.DataRows(
+        source=f"dataset {data.path}" if data.path else f"task {self.task.name}",
+        train=len(self.prompt_set), held_out=held_out)
+    reward = data.reward if data.path else f"the {self.task.name} task's own (exact answer)"
+    return run_plan.plan_lines(self.config, vocab_size=self.text_tokenizer.vocab_size,
+                               rows=rows, reward=reward, devices=jax.device_count(),
+                               max_new_tokens=self.rollout_config.sampling.max_new_tokens)
+
+  def announce(self) -> None:
+    """Logs the plan: called before the warm start, so a run says what it will do."""
+    self.log("this run:")
+    for line in self.plan():
+      self.log(f"  {line}")
 
   def _fresh_models(self) -> Models:
     return fresh_models(self.config)
@@ -318,6 +340,8 @@ class Session:
         outputs.writer.write(step, metrics)
       self._check(step, metrics, last_saved, state)
       outputs.advance(metrics)
+      if self.on_step is not None:
+        self.on_step(step, metrics)
       done = step + 1
       every = self.config.output.checkpoint_every
       if (every and done % every == 0) or done == self.config.rl.steps:

@@ -70,15 +70,15 @@ class LearnerConfig:
   lora: train LoRA adapters on a frozen base instead of every weight (``rl.loop.lora``).
   """
 
-  learning_rate: float = 1e-6
-  schedule: str = "cosine"
-  warmup_steps: int = 0
-  decay_steps: int | None = 1000
-  final_learning_rate_ratio: float = 0.1
-  weight_decay: float = 0.0
-  adam_b1: float = 0.9
-  adam_b2: float = 0.999
-  adam_eps: float = 1e-8
+  learning_rate: float = 1e-6  # peak Adam learning rate of the policy
+  schedule: str = "cosine"  # a name in SCHEDULES (constant, linear or cosine decay after warmup)
+  warmup_steps: int = 0  # linear warmup from 0
+  decay_steps: int | None = 1000  # steps of decay after warmup
+  final_learning_rate_ratio: float = 0.1  # the decayed rate, as a fraction of the peak
+  weight_decay: float = 0.0  # AdamW decoupled weight decay
+  adam_b1: float = 0.9  # Adam's first-moment decay
+  adam_b2: float = 0.999  # Adam's second-moment decay
+  adam_eps: float = 1e-8  # Adam's epsilon
   max_grad_norm: float | None = 1.0
   num_micro_batches: int = 1
   loss: GRPOConfig = GRPOConfig()
