@@ -303,4 +303,4 @@ def _sharded_rollout(graphdef, params, hook_params, rng, tokens_QxUxT, lengths_Q
       last_request_QxU)
 
 
-_generate_sharded = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))
+generate_on_shards = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))
