@@ -87,8 +87,8 @@ def test_each_of_four_tensor_shards_holds_a_quarter_of_the_weights_and_pages(tar
   graphdef, params = nnx.split(target)
   params = sharded.place_weights(params, mesh)
   inputs, rng = sharded.replicate(mesh, (inputs, jax.random.key(0)))
-  state, _ = rollout_programs._start(graphdef, params, (), *inputs, rng, sampling=GREEDY,
-                                    layout=layout)
+  state, _ = rollout_programs.start(graphdef, params, (), inputs, rng, sampling=GREEDY,
+                                   layout=layout)
 
   def bytes_on(device, tree):
     return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
@@ -146,8 +146,8 @@ def test_a_bf16_target_keeps_bf16_weights_activations_and_pages(bf16_target):
   assert layout.kv_dtype == "bfloat16"
   graphdef, params = nnx.split(bf16_target)
   assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-  state, _ = rollout_programs._start(graphdef, params, (), *inputs, jax.random.key(0),
-                                    sampling=GREEDY, layout=layout)
+  state, _ = rollout_programs.start(graphdef, params, (), inputs, jax.random.key(0),
+                                   sampling=GREEDY, layout=layout)
   assert state.kv.k_pages[0].dtype == jnp.bfloat16
   out = generate(bf16_target, PROMPTS, sampling=SamplingParams(max_new_tokens=4))
   assert out.logprobs.dtype == np.float32 and np.all(out.logprobs <= 0)
