@@ -33,6 +33,8 @@ from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.layout import engine_layout, padded_width
 from specrl_jax.sampling.sharded import engine_for_mesh, manual_axes
 from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.inloop import InLoopState, fade, merge_shards
+from specrl_jax.speculative.inloop_rollout import in_loop_hook, in_loop_rollout
 from specrl_jax.speculative.rollout import (
     acceptance_length, rollout as engine_rollout, speculation,
 )
@@ -53,7 +55,9 @@ class Trajectories:
     tokens_by_width [stages] (tokens generated at each width),
     tail_rounds (rounds with at most half the slots live) (all summed over rollout
     shards); exhausted: any shard's KV page pool ran out;
-  policy_version: the number of updates of the weights that generated it.
+  policy_version: the number of updates of the weights that generated it;
+  controller: with the in-loop adaptive controller (``SpecConfig(adaptive=True)``), its
+    state after this rollout (``speculative.inloop.InLoopState``), else None.
   """
   batch: Batch
   rewards_R: Array
@@ -61,6 +65,7 @@ class Trajectories:
   counters: dict[str, Array]
   exhausted: Array
   policy_version: Array
+  controller: InLoopState | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,7 +116,10 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                  drafter: Drafter | None = None, spec: SpecConfig | None = None,
                  engine: EngineConfig = EngineConfig()):
   """The sharded, traceable rollout:
-  ``(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories``."""
+  ``(params, drafter_params, prompts: PromptBatch, rng, version, controller=None)
+  -> Trajectories``. With ``spec.adaptive`` the draft shape is chosen per round inside
+  the loop (``speculative.inloop``): ``controller`` is then the carried InLoopState
+  (required) and ``Trajectories.controller`` the one to carry to the next rollout."""
   sampling = rollout_config.sampling
   group = rollout_config.group_size
   shards = data_parallel_size(mesh)
@@ -129,17 +137,25 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                          num_requests=local_prompts * group, sampling=sampling, engine=engine,
                          drafter=bound_drafter, tensor_shards=mesh.shape["tensor"])
   depth = topology.depth if topology is not None else 0
-  widths_W = jnp.asarray(stage_widths(layout.num_slots, layout.compaction_min_width), jnp.int32)
+  widths = stage_widths(layout.num_slots, layout.compaction_min_width)
+  widths_W = jnp.asarray(widths, jnp.int32)
+  hook = in_loop_hook(bound_drafter, spec, draft_mode, widths)
 
-  def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng):
+  def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng, controller):
     rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
     num_prompts = tokens_PxT.shape[0]
     prompt_of_request_R = jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), group)
     last_request_P = jnp.arange(num_prompts, dtype=jnp.int32) * group + group - 1
-    final = engine_rollout(graphdef, params, drafter_params, tokens_PxT, lengths_P,
-                           prompt_of_request_R, last_request_P, rng, sampling=sampling,
-                           layout=layout, drafter=bound_drafter, topology=topology,
-                           draft_mode=draft_mode)
+    if hook is None:
+      final = engine_rollout(graphdef, params, drafter_params, tokens_PxT, lengths_P,
+                             prompt_of_request_R, last_request_P, rng, sampling=sampling,
+                             layout=layout, drafter=bound_drafter, topology=topology,
+                             draft_mode=draft_mode)
+    else:
+      final, controller = in_loop_rollout(
+          graphdef, params, (drafter_params, controller), tokens_PxT, lengths_P,
+          prompt_of_request_R, last_request_P, rng, sampling=sampling, layout=layout,
+          hook=hook)
     request_targets = jax.tree.map(lambda t: jnp.repeat(t, group, axis=0), targets)
     rewards_R = task.reward(request_targets, final.out_tokens_RxL, final.out_lengths_R)
     tokens, mask, log_probs = build_rows(
@@ -158,32 +174,40 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                 "draft_rounds": final.counters.get("draft_rounds", jnp.int32(0)),
                 "accepted_per_position": final.counters.get(
                     "accepted_per_position", jnp.zeros((depth,), jnp.int32))}
-    per_shard = jax.tree.map(lambda x: x[None], (counters, final.pool.exhausted))
+    per_shard = jax.tree.map(lambda x: x[None], (counters, final.pool.exhausted, controller))
     return tokens, mask, log_probs, rewards_R.astype(jnp.float32), final.out_lengths_R, per_shard
 
   rows = P(BATCH_AXES)
   # Manual over the batch axes only: each (data, fsdp) shard runs its own engine, while
   # the "tensor" axis stays automatic, so weights sharded over it (heads, MLP columns)
   # stay sharded and the compiler splits every layer and the KV pages' heads with them.
-  sharded = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), rows, rows, rows, P()),
+  sharded = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), rows, rows, rows, P(), P()),
                           out_specs=(rows, rows, rows, rows, rows, rows),
                           axis_names=rollout_manual_axes(mesh), check_vma=False)
 
-  def rollout(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories:
+  def rollout(params, drafter_params, prompts: PromptBatch, rng, version,
+              controller: InLoopState | None = None) -> Trajectories:
+    if (hook is None) != (controller is None):
+      raise ValueError(
+          "the rollout's controller: pass the carried InLoopState exactly when the spec is "
+          f"adaptive (spec.adaptive={spec is not None and spec.adaptive}, controller "
+          f"{'given' if controller is not None else 'None'}).")
     # Gathered over fsdp here, once: left to the partitioner, the gathers of weights
     # sharded over fsdp (a batch axis of the rollout) can sink into the decode loop, whose
     # trip count differs between batch shards, and its collectives then deadlock.
     params, drafter_params = jax.lax.with_sharding_constraint(
         (params, drafter_params), (named_shardings(params, mesh, rollout_rules()),
                                    named_shardings(drafter_params, mesh, rollout_rules())))
-    tokens, mask, log_probs, rewards_R, lengths_R, (counters, exhausted) = sharded(
+    tokens, mask, log_probs, rewards_R, lengths_R, (counters, exhausted, after) = sharded(
         params, drafter_params, prompts.tokens_PxT, prompts.lengths_P, dict(prompts.targets),
-        rng)
+        rng, controller)
     batch = Batch(tokens=tokens, response_mask=mask, rollout_logprobs=log_probs)
     return Trajectories(batch=batch, rewards_R=rewards_R, lengths_R=lengths_R,
                         counters=jax.tree.map(lambda x: jnp.sum(x, axis=0), counters),
                         exhausted=jnp.any(exhausted),
-                        policy_version=jnp.asarray(version, jnp.int32))
+                        policy_version=jnp.asarray(version, jnp.int32),
+                        controller=None if hook is None else fade(
+                            hook.config, controller, merge_shards(controller, after)))
 
   return rollout
 
