@@ -27,6 +27,7 @@ from specrl_jax.parallel.rules import named_shardings, rollout_rules
 from specrl_jax.rl.loop.policy_loss import check_warp
 from specrl_jax.rl.loop.train_state import Batch
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter
+from specrl_jax.rl.loop.shape_control import controller_metrics, step_counters
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.compaction import stage_widths
@@ -202,12 +203,15 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
         params, drafter_params, prompts.tokens_PxT, prompts.lengths_P, dict(prompts.targets),
         rng, controller)
     batch = Batch(tokens=tokens, response_mask=mask, rollout_logprobs=log_probs)
+    counters = jax.tree.map(lambda x: jnp.sum(x, axis=0), counters)
+    if hook is not None:
+      after = merge_shards(controller, after)
+      counters.update(step_counters(controller, after))
+      after = fade(hook.config, controller, after)
     return Trajectories(batch=batch, rewards_R=rewards_R, lengths_R=lengths_R,
-                        counters=jax.tree.map(lambda x: jnp.sum(x, axis=0), counters),
-                        exhausted=jnp.any(exhausted),
+                        counters=counters, exhausted=jnp.any(exhausted),
                         policy_version=jnp.asarray(version, jnp.int32),
-                        controller=None if hook is None else fade(
-                            hook.config, controller, merge_shards(controller, after)))
+                        controller=after if hook is not None else None)
 
   return rollout
 
@@ -248,6 +252,8 @@ def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str
       "per_position_acceptance": accepted / rounds,
       "pool_exhausted": trajectories.exhausted,
       "policy_version": trajectories.policy_version,
+      **({} if trajectories.controller is None
+         else controller_metrics(trajectories.controller, counters)),
   }
 
 

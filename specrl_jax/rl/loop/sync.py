@@ -34,6 +34,7 @@ from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 from specrl_jax.rl.loop.rollout import (
     RolloutConfig, make_rollout, rollout_drafter_params, rollout_metrics,
 )
+from specrl_jax.rl.loop.shape_control import check_controller
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.drafters.base import Drafter
@@ -76,7 +77,7 @@ class RLProgram:
     """The rollout alone, jitted: ``(state, prompts, rng) -> Trajectories``."""
     return jax.jit(lambda state, prompts, rng: self.rollout(
         state.compute_params(), self.rollout_drafter_params(state), prompts, rng,
-        state.step),
+        state.step, state.controller),
         in_shardings=(self.train_step.state_shardings, self.rows, self.replicated))
 
   @functools.cached_property
@@ -116,10 +117,14 @@ def build_program(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lea
   drafter_params = rollout_drafter_params(drafter, online)
   max_new = rollout_config.sampling.max_new_tokens
 
+  check_controller(state, spec)
+
   def rl_step(state: TrainState, prompts: PromptBatch, rng):
     trajectories = rollout(state.compute_params(), drafter_params(state), prompts, rng,
-                           state.step)
+                           state.step, state.controller)
     new_state, metrics = learn(state, trajectories)
+    # The controller's measurements carry to the next step's rollout.
+    new_state = new_state.replace(controller=trajectories.controller)
     return new_state, dict(metrics, **rollout_metrics(trajectories, max_new))
 
   # Explicit shardings: the state comes back laid out exactly as it went in, so every
