@@ -17,7 +17,7 @@ settled on is corrected by the steps themselves.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,9 @@ from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.layout import pack
+from specrl_jax.sampling.results import GenerateOutput
 from specrl_jax.speculative.drafters.base import Drafter
-from specrl_jax.speculative.inloop import InLoopState
+from specrl_jax.speculative.inloop import InLoopConfig, InLoopState
 from specrl_jax.speculative.inloop_rollout import generate_in_loop, in_loop_config
 from specrl_jax.speculative.rollout import rounds_of, speculation
 
@@ -46,49 +47,65 @@ class Calibration:
 def calibrate(model: Transformer, prompts: Sequence[Sequence[int]], *,
               sampling: SamplingParams, drafter: Drafter, spec: SpecConfig,
               engine: EngineConfig, rng: jax.Array, repeats: int = 1) -> Calibration:
-  """Times each shape of ``spec``'s in-loop menu on ``prompts`` (one batch shard's
-  requests, e.g. a step's prompts repeated for their group) ``repeats`` times."""
+  """Times each shape of ``spec``'s in-loop menu on ``prompts`` through
+  ``generate_in_loop`` (one device) ``repeats`` times."""
+  config = in_loop_config(spec)
+  widths = engine_widths(model, prompts, sampling, engine, drafter, spec)
+
+  def run(controller: InLoopState, key: jax.Array) -> GenerateOutput:
+    return generate_in_loop(model, prompts, sampling=sampling, rng=key, drafter=drafter,
+                            spec=spec, controller=controller, engine=engine)[0]
+
+  return time_shapes(run, config, widths, rng=rng, repeats=repeats)
+
+
+def time_shapes(run: Callable[[InLoopState, jax.Array], GenerateOutput], config: InLoopConfig,
+                widths: tuple[int, ...], *, rng: jax.Array, repeats: int = 1) -> Calibration:
+  """``run(controller, rng)``: a rollout through the in-loop hook, its stages timed
+  (``sampling.rollout.generate_whole``); it is run once per shape and repeat with the
+  controller forced to that shape."""
   check(isinstance(repeats, int) and repeats >= 1, "calibrate", "repeats", repeats,
         "an integer >= 1")
-  config = in_loop_config(spec)
   shapes = len(config.shapes)
+  # A forced rollout never reads the table: only its shape matters.
+  base = InLoopState.initial(config, np.ones((shapes, len(widths))))
   samples: list[list[np.ndarray]] = [[] for _ in range(shapes)]
   fixed: list[float] = []
-  widths: tuple[int, ...] | None = None
   for repeat in range(repeats):
     for shape in range(shapes):
-      key = jax.random.fold_in(rng, repeat * shapes + shape)
-      seconds_W, rounds_W, total, widths = _timed(model, prompts, key, shape, sampling=sampling,
-                                                  drafter=drafter, spec=spec, engine=engine)
+      out = run(base.replace(force=jnp.int32(shape)),
+                jax.random.fold_in(rng, repeat * shapes + shape))
+      seconds_W, rounds_W = _per_width(out, len(widths))
       with np.errstate(invalid="ignore", divide="ignore"):
         samples[shape].append(np.where(rounds_W > 0, seconds_W / np.maximum(rounds_W, 1),
                                        np.nan))
-      fixed.append(max(total - float(seconds_W.sum()), 0.0))
-  cost_SxW = np.stack([_fill(np.nanmedian(np.stack(rows), axis=0) if np.any(
-      np.isfinite(rows)) else np.full(len(widths), np.nan), config.labels[s])
-      for s, rows in enumerate(samples)])
+      fixed.append(max(out.stats["seconds"] - float(seconds_W.sum()), 0.0))
+  cost_SxW = np.stack([_fill(_median(rows), config.labels[s]) for s, rows in enumerate(samples)])
   return Calibration(cost_SxW=cost_SxW.astype(np.float32), fixed_seconds=float(np.median(fixed)),
-                     widths=widths)
+                     widths=tuple(widths))
 
 
-def _timed(model, prompts, rng, shape: int, *, sampling, drafter, spec, engine):
-  """(seconds per width, rounds per width, total seconds, widths) of one rollout that
-  runs ``shape`` every round."""
-  config = in_loop_config(spec)
-  widths = engine_widths(model, prompts, sampling, engine, drafter, spec)
-  # A forced rollout never reads the table: only its shape matters.
-  controller = InLoopState.initial(config, np.ones((len(config.shapes), len(widths))))
-  out, _ = generate_in_loop(model, prompts, sampling=sampling, rng=rng, drafter=drafter,
-                            spec=spec, controller=controller.replace(force=jnp.int32(shape)),
-                            engine=engine)
+def _median(rows: list[np.ndarray]) -> np.ndarray:
+  stacked = np.stack(rows)
+  out = np.full(stacked.shape[1], np.nan)
+  for w in range(stacked.shape[1]):
+    finite = stacked[:, w][np.isfinite(stacked[:, w])]
+    if finite.size:
+      out[w] = np.median(finite)
+  return out
+
+
+def _per_width(out: GenerateOutput, num_widths: int) -> tuple[np.ndarray, np.ndarray]:
+  """(seconds, rounds) per width of a timed rollout."""
   if "compaction" in out.stats:
     stats = out.stats["compaction"]
+    check(len(stats["widths"]) == num_widths, "calibrate", "widths", stats["widths"],
+          f"{num_widths} widths, as the controller's table has")
     return (np.asarray(stats["seconds_by_width"], np.float64),
-            np.asarray(stats["rounds_by_width"], np.float64), out.stats["seconds"], widths)
+            np.asarray(stats["rounds_by_width"], np.float64))
   # One width: the rollout's time is its rounds' plus the prefill, which one program
   # does not separate (fixed seconds 0).
-  return (np.asarray([out.stats["seconds"]]), np.asarray([float(out.stats["target_calls"])]),
-          out.stats["seconds"], widths)
+  return (np.asarray([out.stats["seconds"]]), np.asarray([float(out.stats["target_calls"])]))
 
 
 def engine_widths(model: Transformer, prompts: Sequence[Sequence[int]],

@@ -123,20 +123,10 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
   (required) and ``Trajectories.controller`` the one to carry to the next rollout."""
   sampling = rollout_config.sampling
   group = rollout_config.group_size
-  shards = data_parallel_size(mesh)
-  check(rollout_config.prompts_per_step % shards == 0, "RolloutConfig", "prompts_per_step",
-        rollout_config.prompts_per_step,
-        f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
-        "groups)")
-  local_prompts = rollout_config.prompts_per_step // shards
   engine = engine_for_mesh(engine, mesh)
-  width = padded_width(prompt_width, engine)
-  # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
-  bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
-  layout = engine_layout(model_config, prompt_width=width,
-                         prompt_pages=local_prompts * -(-width // engine.page_size),
-                         num_requests=local_prompts * group, sampling=sampling, engine=engine,
-                         drafter=bound_drafter, tensor_shards=mesh.shape["tensor"])
+  plan = shard_layout(model_config, rollout_config, mesh, prompt_width=prompt_width,
+                      drafter=drafter, spec=spec, engine=engine)
+  layout, bound_drafter, topology, draft_mode = plan
   depth = topology.depth if topology is not None else 0
   widths = stage_widths(layout.num_slots, layout.compaction_min_width)
   widths_W = jnp.asarray(widths, jnp.int32)
@@ -214,6 +204,28 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                         controller=after if hook is not None else None)
 
   return rollout
+
+
+def shard_layout(model_config, rollout_config: RolloutConfig, mesh: Mesh, *, prompt_width: int,
+                 drafter: Drafter | None, spec: SpecConfig | None, engine: EngineConfig):
+  """(layout, bound drafter, topology, draft_mode) of each batch shard's engine
+  (``engine`` already fitted to the mesh: ``engine_for_mesh``)."""
+  shards = data_parallel_size(mesh)
+  check(rollout_config.prompts_per_step % shards == 0, "RolloutConfig", "prompts_per_step",
+        rollout_config.prompts_per_step,
+        f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
+        "groups)")
+  local_prompts = rollout_config.prompts_per_step // shards
+  width = padded_width(prompt_width, engine)
+  sampling = rollout_config.sampling
+  # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
+  bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
+  layout = engine_layout(model_config, prompt_width=width,
+                         prompt_pages=local_prompts * -(-width // engine.page_size),
+                         num_requests=local_prompts * rollout_config.group_size,
+                         sampling=sampling, engine=engine, drafter=bound_drafter,
+                         tensor_shards=mesh.shape["tensor"])
+  return layout, bound_drafter, topology, draft_mode
 
 
 def rollout_manual_axes(mesh: Mesh) -> set[str]:
