@@ -79,3 +79,24 @@ def test_a_layer_imports_nothing_above_it(layer, forbidden):
       for module, imported_modules in graph.items() if in_layer(module, layer)
       for imported in imported_modules if any(in_layer(imported, f) for f in forbidden))
   assert not violations, "\n".join(violations)
+
+
+def long_functions(layer: str, limit: int) -> list[str]:
+  found = []
+  for path in sorted((PACKAGE / layer.replace(".", "/")).rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        length = node.end_lineno - node.lineno + 1
+        if length > limit:
+          found.append(f"{module_name(path)}.{node.name}: {length} lines")
+  return found
+
+
+def test_rl_files_stay_under_400_lines_and_app_functions_under_60():
+  """Small modules and short functions keep the RL stack readable: a file that grows
+  past 400 lines does two things, an application function past 60 has several jobs."""
+  too_long = [f"{module_name(path)}: {len(path.read_text().splitlines())} lines"
+              for path in sorted((PACKAGE / "rl").rglob("*.py"))
+              if len(path.read_text().splitlines()) > 400]
+  assert not too_long, "\n".join(too_long)
+  assert not long_functions("rl.app", 60), "\n".join(long_functions("rl.app", 60))
