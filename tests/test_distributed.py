@@ -169,6 +169,16 @@ def test_processes_that_never_join_stop_the_coordinator_with_a_clear_error():
   assert seconds < 60
 
 
+def test_joining_after_jax_created_its_devices_is_a_clear_error():
+  code = ("import jax; from specrl_jax.parallel import distributed as d; jax.devices(); "
+          "d.initialize(d.DistributedConfig(coordinator='127.0.0.1:{port}', "
+          "num_processes=2, process_id=0, initialization_timeout=5))").format(port=_free_port())
+  result, seconds = _timed([sys.executable, "-c", code])
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "JAX already created its devices in this process" in result.stderr
+  assert seconds < 60
+
+
 def test_processes_started_with_different_configurations_stop_before_training(tmp_path):
   processes = _start(_two_processes(
       [sys.executable, "-m", "specrl_jax.rl.app.train_command", *TRAIN_ARGS,

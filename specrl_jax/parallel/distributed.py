@@ -148,14 +148,8 @@ def initialize(config: DistributedConfig, *, log: Callable[[str], None] = _stder
   CPU devices communicate with gloo collectives (over TCP), accelerators with their
   own (NCCL, ICI). ``log`` receives one line saying which process this is.
   """
-  from jax._src import xla_bridge  # backends_are_initialized has no public name
-
   if jax.distributed.is_initialized():
     raise DistributedError("jax.distributed is already initialized in this process.")
-  if xla_bridge.backends_are_initialized():
-    raise DistributedError(
-        "JAX already created its devices in this process, so it can no longer join a "
-        "multi-process job: call distributed.initialize before any JAX computation.")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   deadline = time.monotonic() + config.initialization_timeout
   if not config.auto_detect and config.process_id != 0:
@@ -172,6 +166,14 @@ def initialize(config: DistributedConfig, *, log: Callable[[str], None] = _stder
         initialization_timeout=config.initialization_timeout + 30,
         heartbeat_timeout_seconds=config.heartbeat_timeout,
         shutdown_timeout_seconds=config.shutdown_timeout)
+  except RuntimeError as error:
+    # JAX has no public name for "devices already created"; its own check is the
+    # first thing initialize does.
+    if "must be called before" not in str(error):
+      raise
+    raise DistributedError(
+        "JAX already created its devices in this process, so it can no longer join a "
+        "multi-process job: call distributed.initialize before any JAX computation.") from error
   except ValueError as error:
     if config.auto_detect:
       raise DistributedError(

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from specrl_jax.sampling.engine import DecodeState
+from specrl_jax.sampling.hooks import RoundHook
 
 Array = jax.Array
 
@@ -41,7 +42,7 @@ def stage_widths(num_slots: int, min_width: int) -> tuple[int, ...]:
   return tuple(widths)
 
 
-def compact(state: DecodeState, width: int, hook: Any = None) -> DecodeState:
+def compact(state: DecodeState, width: int, hook: RoundHook | None = None) -> DecodeState:
   """The state narrowed to ``width`` slots: the occupied slots first (in slot order),
   then free ones. Call it on a state whose finished slots were released and whose
   occupied slots fit ``width``; free slots hold no pages, so none is lost. hook: the

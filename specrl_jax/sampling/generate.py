@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -27,6 +27,7 @@ from specrl_jax.sampling.programs import bucket_inputs, trim
 from specrl_jax.sampling.results import GenerateOutput, raise_if_exhausted, to_output
 from specrl_jax.sampling.compaction import compaction_stats
 from specrl_jax.sampling.rollout import _generate_sharded, generate_whole, widths_of
+from specrl_jax.sampling.hooks import RoundHook
 
 # (graphdef, params, hook_params, inputs, rng, layout, placement) -> GenerateOutput.
 DecodeFn = Callable[..., GenerateOutput]
@@ -45,7 +46,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
 
 def decode(model: Transformer, prompts: list[list[int]], rng: jax.Array, *,
            sampling: SamplingParams, engine: EngineConfig, mesh: Mesh | None,
-           rounds: Any = None, decode_fn: DecodeFn | None = None) -> GenerateOutput:
+           rounds: RoundHook | None = None, decode_fn: DecodeFn | None = None) -> GenerateOutput:
   """Decodes validated ``prompts`` with plain rounds or the round hook ``rounds``.
 
   decode_fn: replaces the whole-rollout program (the adaptive engine's host loop): it
@@ -78,7 +79,7 @@ def decode(model: Transformer, prompts: list[list[int]], rng: jax.Array, *,
 
 def _decode_on_shards(config, graphdef, params, prompts: list[list[int]], rng, *,
                       sampling: SamplingParams, engine: EngineConfig, mesh: Mesh,
-                      rounds: Any) -> GenerateOutput:
+                      rounds: RoundHook | None) -> GenerateOutput:
   """The whole rollout with the requests split over the mesh's batch shards, each
   shard's engine on its contiguous block (one compiled program for all shards)."""
   sharded.check_mesh(mesh)

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from specrl_jax.config import SamplingParams
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.memory import plan_engine_memory, sharded_bytes, tree_bytes
+from specrl_jax.sampling.hooks import RoundHook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ def tensor_shards_of(mesh: Mesh | None) -> int:
 
 
 def pack(config, prompts: list[list[int]], sampling: SamplingParams, engine: EngineConfig,
-         *, rounds=None, weight_bytes: int | None = None, tensor_shards: int = 1):
+         *, rounds: RoundHook | None = None, weight_bytes: int | None = None, tensor_shards: int = 1):
   """Host-side packing of validated prompts into static-shape arrays.
 
   With a memory budget (``EngineConfig.memory_fraction`` / ``memory_budget_bytes``) the

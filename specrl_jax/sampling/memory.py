@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from specrl_jax.config import ModelConfig
 from specrl_jax.kv.planner import MemoryPlan, device_memory_stats, plan_memory
 from specrl_jax.parallel.rules import named_shardings, rollout_rules
+from specrl_jax.sampling.hooks import RoundHook
 
 
 def tree_bytes(tree) -> int:
@@ -36,7 +37,7 @@ def sharded_bytes(params, mesh: Mesh) -> int:
              for leaf, sharding in zip(jax.tree.leaves(params), shardings, strict=True))
 
 
-def plan_engine_memory(config: ModelConfig, engine, drafter=None, *,
+def plan_engine_memory(config: ModelConfig, engine, drafter: RoundHook | None = None, *,
                        weight_bytes: int | None = None, tensor_shards: int = 1
                        ) -> MemoryPlan | None:
   """The plan for ``engine``'s memory budget, or None when it sizes the pool otherwise.

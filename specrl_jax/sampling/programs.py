@@ -159,6 +159,12 @@ def program_cache_info() -> dict[str, int]:
   return PROGRAMS.info()
 
 
+def programs_compiled() -> int:
+  """How many generate programs have been compiled so far in this process (a call
+  that raised it compiled, so its time is not a decode time)."""
+  return PROGRAMS.info()["compiles"]
+
+
 def set_program_cache_size(max_programs: int) -> None:
   """Keeps at most ``max_programs`` compiled generate programs (evicting the least
   recently used now if there are more). Each costs host memory (tens of MiB for small

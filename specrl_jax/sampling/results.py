@@ -12,6 +12,7 @@ import numpy as np
 
 from specrl_jax.sampling.engine import DecodeState
 from specrl_jax.sampling.layout import Layout
+from specrl_jax.sampling.hooks import RoundHook
 
 
 class PagePoolExhaustedError(RuntimeError):
@@ -52,7 +53,7 @@ def raise_if_exhausted(final: DecodeState, layout: Layout, inputs) -> None:
         "always suffices) or lower EngineConfig.num_slots.")
 
 
-def to_output(final: DecodeState, seconds: float, rounds: Any = None, **hook_stats
+def to_output(final: DecodeState, seconds: float, rounds: RoundHook | None = None, **hook_stats
               ) -> GenerateOutput:
   """The output of a fetched final state; ``rounds`` (the round hook) adds its own
   ``stats(final, **hook_stats)``."""

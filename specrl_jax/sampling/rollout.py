@@ -2,29 +2,19 @@
 entry points (whole rollouts, per batch shard, and the batches of rounds the adaptive
 engine runs).
 
-Rounds are plain unless a *round hook* is given (``rounds``, a static argument; e.g.
-``speculative.rollout.Speculation``). The engine asks it for:
-
-- ``hidden_layers``: the target layers whose hidden states the forwards return;
-- ``kv_layers()``: (kv heads, head dim) of extra KV layers, paged after the target's;
-- ``init_state(num_slots, counters) -> (hook state, counters)``: its state, kept in
-  ``DecodeState.drafter``, and the counters it adds;
-- ``prefill(hook_params, state, prefill_kv, num_layers, tokens_UxT, lengths_U,
-  target_output) -> (state, prefill_kv)``: writes its own pages from the prefill;
-- ``loop(model, hook_params, state, sampling) -> (state, round_fn, on_admit)``: the
-  decode loop's round and admission hook, after bringing the state in step;
-- ``stats(final, placement=..., shards=...) -> dict``: what the output reports of it;
-- ``compact_state(hook state, slots_W) -> hook state``: its state of the slots a narrower
-  program keeps (slot compaction, ``sampling.compaction``).
-
+Rounds are plain unless a *round hook* is given (``rounds``, a static argument, a
+``sampling.hooks.RoundHook``; e.g. ``speculative.rollout.Speculation``).
 ``hook_params`` is the hook's traced pytree (``rounds.params()`` by default).
+
+``start``, ``continue_stage`` and ``compact_slots`` are the decode program in pieces,
+each its own compiled program, for engines that decide between batches of rounds on
+the host; ``programs.programs_compiled`` says whether a call compiled.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +33,11 @@ from specrl_jax.sampling.prefill import prefill
 from specrl_jax.sampling.programs import PROGRAMS
 from specrl_jax.sampling.layout import Layout
 from specrl_jax.sampling.results import GenerateOutput, fetch_results, raise_if_exhausted, to_output
+from specrl_jax.sampling.hooks import RoundHook
 
 
 def generate_whole(graphdef, params, inputs, rng, *, sampling: SamplingParams, layout: Layout,
-                    rounds: Any = None, hook_params=None, placement: str | None = None
+                    rounds: RoundHook | None = None, hook_params=None, placement: str | None = None
                     ) -> GenerateOutput:
   """The whole rollout as one compiled program, timed. placement: how the hook's
   weights were placed on a mesh, reported with its stats."""
@@ -65,7 +56,7 @@ def generate_whole(graphdef, params, inputs, rng, *, sampling: SamplingParams, l
   return to_output(final, seconds, rounds, placement=placement)
 
 
-def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds: Any = None
+def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds: RoundHook | None = None
                ) -> DecodeState:
   layer_shapes = ((config.num_kv_heads, config.head_dim),) * config.num_layers
   counters = {"target_calls": jnp.int32(0),
@@ -102,7 +93,7 @@ def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds
 
 def start_rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_of_request_R,
                   last_request_U, rng, *, sampling: SamplingParams, layout: Layout,
-                  rounds: Any = None) -> tuple[DecodeState, Prompts]:
+                  rounds: RoundHook | None = None) -> tuple[DecodeState, Prompts]:
   """Prefills the prompts (and the hook's pages): the decode loop's initial state and
   the constant prompt data it admits requests from."""
   model = nnx.merge(graphdef, params)
@@ -122,7 +113,7 @@ def start_rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_o
 
 
 def continue_rollout(graphdef, params, hook_params, state: DecodeState, prompts: Prompts, *,
-                     sampling: SamplingParams, layout: Layout, rounds: Any = None,
+                     sampling: SamplingParams, layout: Layout, rounds: RoundHook | None = None,
                      max_rounds: int | jax.Array | None = None,
                      until_live: int | None = None) -> DecodeState:
   """Runs decode rounds until every request has finished (or after ``max_rounds``
@@ -143,7 +134,7 @@ def widths_of(layout: Layout) -> tuple[int, ...]:
 
 
 def run_stage(graphdef, params, hook_params, state: DecodeState, prompts: Prompts, *,
-              stage: int, sampling: SamplingParams, layout: Layout, rounds: Any = None
+              stage: int, sampling: SamplingParams, layout: Layout, rounds: RoundHook | None = None
               ) -> DecodeState:
   """Stage ``stage`` of the decode loop (``sampling.compaction``): rounds at its width
   until the live sequences fit the next width, then the state narrowed to it (the last
@@ -170,7 +161,7 @@ def _count_stage(before: DecodeState, after: DecodeState, stage: int) -> DecodeS
 
 
 def rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_of_request_R,
-            last_request_U, rng, *, sampling: SamplingParams, layout: Layout, rounds: Any = None
+            last_request_U, rng, *, sampling: SamplingParams, layout: Layout, rounds: RoundHook | None = None
             ) -> DecodeState:
   """The whole rollout as a traceable function (prefill + decode loop). Returns the
   final DecodeState: ``out_tokens_RxL``, ``out_log_probs_RxL``, ``out_lengths_R``,
@@ -191,7 +182,7 @@ def _run_stage_reporting(graphdef, params, hook_params, state, prompts, **static
 
 
 def _generate_staged(graphdef, params, hook_params, inputs, rng, *, sampling: SamplingParams,
-                     layout: Layout, rounds: Any, placement: str | None) -> GenerateOutput:
+                     layout: Layout, rounds: RoundHook | None, placement: str | None) -> GenerateOutput:
   """generate_whole with slot compaction: the prefill, then one compiled program per
   width, each timed from dispatch to its read-back (compiling excluded)."""
   static = dict(sampling=sampling, layout=layout, rounds=rounds)
@@ -224,7 +215,47 @@ def _generate_staged(graphdef, params, hook_params, inputs, rng, *, sampling: Sa
 
 
 _STATIC = ("graphdef", "sampling", "layout", "rounds")
-_start = jax.jit(start_rollout, static_argnames=_STATIC)
+
+
+# The decode program in pieces, for engines that decide between batches of rounds on the
+# host (adaptive speculation): each piece is compiled once per static arguments and input
+# shapes and kept in ``PROGRAMS`` (``programs_compiled`` counts the compiles).
+
+def start(graphdef, params, hook_params, inputs: tuple, rng, *, sampling: SamplingParams,
+          layout: Layout, rounds: RoundHook | None = None) -> tuple[DecodeState, Prompts]:
+  """``start_rollout`` as a compiled program: the prefilled state and the prompts the
+  loop admits requests from. inputs: (tokens_UxT, lengths_U, prompt_of_request_R,
+  last_request_U), as ``layout.pack`` makes them."""
+  return PROGRAMS.call(start_rollout, (graphdef,),
+                       dict(sampling=sampling, layout=layout, rounds=rounds),
+                       params, hook_params, *inputs, rng)
+
+
+def continue_stage(graphdef, params, hook_params, state: DecodeState, prompts: Prompts,
+                   max_rounds: jax.Array, *, stage: int, sampling: SamplingParams,
+                   layout: Layout, rounds: RoundHook | None = None
+                   ) -> tuple[DecodeState, tuple]:
+  """At most ``max_rounds`` rounds at the width of ``stage`` as a compiled program
+  (``state``'s buffers are donated to it): the state and the report the host decides
+  on, (counters, whether every request is done, (remaining_N, queued), live sequences).
+  ``max_rounds`` is traced (an int32 scalar): batches of any size share one program."""
+  program = PROGRAMS.compiled(
+      _continue_reporting, (graphdef,),
+      dict(stage=stage, sampling=sampling, layout=layout, rounds=rounds),
+      params, hook_params, state, prompts, max_rounds, donate=(2,))
+  return program(params, hook_params, state, prompts, max_rounds)
+
+
+def compact_slots(state: DecodeState, width: int, hook: RoundHook | None = None
+                  ) -> DecodeState:
+  """``compaction.compact`` as a compiled program: ``state`` narrowed to ``width`` slots
+  (its pages are reused; its per-slot rows, which cannot hold the narrower state's,
+  are not)."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+    program = PROGRAMS.compiled(compact, (), dict(width=width, hook=hook), state,
+                                donate=(0,))
+    return program(state)
 
 
 def _continue_reporting(graphdef, params, hook_params, state, prompts, max_rounds, *,
@@ -273,9 +304,3 @@ def _sharded_rollout(graphdef, params, hook_params, rng, tokens_QxUxT, lengths_Q
 
 
 _generate_sharded = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))
-
-_continue_and_report = jax.jit(_continue_reporting, static_argnames=_STATIC + ("stage",),
-                               donate_argnames=("state",))
-# The narrower state cannot reuse the wider one's per-slot rows; its pages, which are
-# what donation is for, are reused.
-_compact = jax.jit(compact, static_argnames=("width", "hook"), donate_argnames=("state",))

@@ -5,7 +5,6 @@ a ConcurrencyAwareController; with slot compaction the batch narrows between the
 from __future__ import annotations
 
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,9 @@ from specrl_jax.config import SamplingParams
 from specrl_jax.sampling.compaction import compaction_stats
 from specrl_jax.sampling.layout import Layout
 from specrl_jax.sampling.results import GenerateOutput, fetch_results, raise_if_exhausted, to_output
+from specrl_jax.sampling.programs import programs_compiled
 from specrl_jax.sampling.rollout import (
-    _compact, _continue_and_report, _start, generate_whole, widths_of,
+    compact_slots, continue_stage, generate_whole, start, widths_of,
 )
 from specrl_jax.speculative.adaptive import DraftLengthController
 from specrl_jax.speculative.concurrency import ConcurrencyAwareController, Shape
@@ -73,12 +73,12 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     return _plain_rollout(graphdef, params, inputs, rng, sampling=sampling, layout=layout,
                           controller=controller, first_decision=first_decision)
   drafter_params = drafter.params() if drafter_params is None else drafter_params
-  start = time.perf_counter()
+  began_rollout = time.perf_counter()
   longest_rounds = Speculation(drafter=drafter, topology=topology, draft_mode=draft_mode)
-  state, prompts = _start(graphdef, params, drafter_params, *inputs, rng, sampling=sampling,
-                          layout=layout, rounds=longest_rounds)
+  state, prompts = start(graphdef, params, drafter_params, inputs, rng, sampling=sampling,
+                         layout=layout, rounds=longest_rounds)
   if stage:
-    state = _narrow(state, widths[stage], longest_rounds)
+    state = compact_slots(state, widths[stage], longest_rounds)
   # Batches are timed from dispatch to read-back: reading the counters waits for the
   # prefill, so that it does not count in the first.
   counters = jax.device_get(state.counters)
@@ -94,7 +94,7 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
   while True:
     width = widths[stage]
     depth = len(shape) if isinstance(shape, tuple) else shape
-    compiled_before = _continue_and_report._cache_size()
+    compiled_before = programs_compiled()
     began = time.perf_counter()
     max_rounds = controller.decision_rounds(width, rounds_per_decision)
     if depth == 0 and drafter.stateless:  # nothing to keep in step: a plain decoding step
@@ -111,17 +111,17 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
         calls = [(rounds(catch_up), 1)] + (
             [(calls[0][0], max_rounds - 1)] if max_rounds > 1 else [])
     for batch, batch_rounds in calls:  # dispatched back to back: no host sync between
-      state, report = _continue_and_report(graphdef, params, state=state, prompts=prompts,
-                                           max_rounds=jnp.int32(batch_rounds),
-                                           sampling=sampling, layout=layout, stage=stage,
-                                           **batch)
+      state, report = continue_stage(graphdef, params, batch["hook_params"], state, prompts,
+                                     jnp.int32(batch_rounds), stage=stage,
+                                     sampling=sampling, layout=layout,
+                                     rounds=batch["rounds"])
     catch_up = longest + 1 if depth else 1
     now, done, (remaining_N, queued), live = jax.device_get(report)
     seconds = time.perf_counter() - began
     seconds_by_width[stage] += seconds
     # A shape's first batch at a width includes compiling it: keep its acceptance, not
     # its time.
-    compiled = _continue_and_report._cache_size() > compiled_before
+    compiled = programs_compiled() > compiled_before
     controller.observe(
         width, shape, int(now["target_calls"] - counters["target_calls"]),
         None if compiled else seconds,
@@ -133,13 +133,13 @@ def generate_adaptive(graphdef, params, drafter: Drafter, inputs, rng, *,
     narrower = _stage_holding(widths, stage, int(live))
     if narrower != stage:
       stage = narrower
-      state = _narrow(state, widths[stage], longest_rounds)
+      state = compact_slots(state, widths[stage], longest_rounds)
       remaining_N = np.sort(remaining_N)[::-1][:widths[stage]]
     # While requests wait, every freed slot is refilled: tokens per second is what
     # counts. Without a queue the batch ends with its slowest sequence.
     shape = controller.choose(widths[stage], None if queued else remaining_N.tolist())
   final = fetch_results(state)
-  seconds = time.perf_counter() - start
+  seconds = time.perf_counter() - began_rollout
   raise_if_exhausted(final, layout, inputs)
   output = to_output(final, seconds, longest_rounds)
   if len(widths) > 1:
@@ -156,12 +156,6 @@ def _stage_holding(widths: tuple[int, ...], stage: int, live: int) -> int:
   while stage + 1 < len(widths) and live <= widths[stage + 1]:
     stage += 1
   return stage
-
-
-def _narrow(state, width: int, hook: Speculation):
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-    return _compact(state, width=width, hook=hook)
 
 
 def _plain_rollout(graphdef, params, inputs, rng, *, sampling: SamplingParams,
