@@ -287,6 +287,11 @@ class InLoopSpeculation:
   def hidden_layers(self) -> tuple[int, ...]:
     return self.drafter.hidden_layers
 
+  def params(self) -> Any:
+    # No default: a controller without measured round costs would choose on made-up ones.
+    raise ValueError("InLoopSpeculation has no default hook_params: pass "
+                     "hook_params=(drafter params, InLoopState) with measured round costs.")
+
   def kv_layers(self) -> tuple:
     return self.drafter.kv_layers()
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError
@@ -49,12 +50,15 @@ def round_cost_table(section: DrafterSection, policy: nnx.Module, drafter: Draft
                                   prompt_width=prompt_width, drafter=drafter, spec=spec,
                                   engine=engine, rng=rng,
                                   repeats=section.calibration_repeats)
+  cost_SxW = calibration.cost_SxW
+  if jax.process_count() > 1:  # every process must choose alike: process 0's timings
+    cost_SxW = np.asarray(multihost_utils.broadcast_one_to_all(cost_SxW))
   labels = in_loop_config(spec).labels
   log("in-loop controller: round seconds measured per width "
       + ", ".join(f"{label} " + "/".join(f"{x * 1e3:.2f}" for x in row) + " ms"
-                  for label, row in zip(labels, calibration.cost_SxW))
+                  for label, row in zip(labels, cost_SxW))
       + f" at widths {widths}")
-  return calibration.cost_SxW
+  return cost_SxW
 
 
 def add_controller(state: TrainState, section: DrafterSection, cost_SxW: np.ndarray,

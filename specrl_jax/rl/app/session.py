@@ -16,12 +16,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
-from specrl_jax.config import ConfigError, SpecConfig
+from specrl_jax.config import ConfigError
 from specrl_jax.drafters import DraftModel, NGram
 from specrl_jax.parallel import distributed
 from specrl_jax.rl.app import run_data, run_directory
 from specrl_jax.rl.app.experiment import ExperimentConfig, to_dict
 from specrl_jax.rl.app.guards import CollapseDetector, check_step
+from specrl_jax.rl.app.inloop_setup import abstract_controller, add_controller, round_cost_table
 from specrl_jax.rl.app.meshes import check_layout, checkpoint_mesh, run_meshes
 from specrl_jax.rl.app.metrics import MetricsWriter, read_jsonl, with_rates
 from specrl_jax.rl.app.run_outputs import RunOutputs, open_run_outputs, run_summary
@@ -30,6 +31,7 @@ from specrl_jax.rl.loop import numerics
 from specrl_jax.rl.loop.async_pipeline import AsyncPipeline
 from specrl_jax.rl.loop.learner import TrainState, abstract_train_state, init_train_state
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter, online_drafter
+from specrl_jax.rl.loop.shape_calibration import rollout_widths
 from specrl_jax.rl.loop.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, Task, make_prompt_set, step_indices
 
@@ -53,7 +55,7 @@ class Session:
     self.rollout_config = config.rl.rollout(self.task.max_response_tokens,
                                             self.text_tokenizer.eos_ids)
     self.engine = config.rl.engine
-    self.spec = SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
+    self.spec = config.drafter.spec()
     self.timings: dict[str, float] = {}
 
   @property
@@ -145,14 +147,32 @@ class Session:
     # Host copies: the warm start may sit on one device, the mesh spans several.
     params = jax.device_get(nnx.split(models.policy)[1])
     drafter = jax.device_get(online.trainable) if online else None
-    return init_train_state(params, self.learner, mesh, rng=jax.random.key(self.config.rl.seed),
-                            with_reference=self.with_reference, drafter_params=drafter)
+    state = init_train_state(params, self.learner, mesh, rng=jax.random.key(self.config.rl.seed),
+                             with_reference=self.with_reference, drafter_params=drafter)
+    if not self.spec.adaptive:
+      return state
+    # A fresh adaptive run measures its round costs now (a resumed one restores them).
+    return add_controller(state, self.config.drafter, round_cost_table(
+        self.config.drafter, models.policy, self.drafter_for(models)[0], self.rollout_config,
+        self.rollout_mesh(mesh), prompts=self.step_prompts(0), prompt_width=self.prompt_width,
+        engine=self.engine, rng=jax.random.key(self.config.rl.seed + 1), log=self.log), mesh)
 
   def _abstract_state(self, models: Models, online: OnlineDrafter | None, mesh) -> TrainState:
-    return abstract_train_state(nnx.split(models.policy)[1], self.learner, mesh,
-                                rng=jax.random.key(self.config.rl.seed),
-                                with_reference=self.with_reference,
-                                drafter_params=online.trainable if online else None)
+    abstract = abstract_train_state(nnx.split(models.policy)[1], self.learner, mesh,
+                                    rng=jax.random.key(self.config.rl.seed),
+                                    with_reference=self.with_reference,
+                                    drafter_params=online.trainable if online else None)
+    if not self.spec.adaptive:
+      return abstract
+    widths = rollout_widths(models.policy.config, self.rollout_config, self.rollout_mesh(mesh),
+                            prompt_width=self.prompt_width, drafter=self.drafter_for(models)[0],
+                            spec=self.spec, engine=self.engine)
+    return abstract_controller(abstract, self.config.drafter, len(widths), mesh)
+
+  def rollout_mesh(self, train_mesh):
+    """The mesh rollouts decode on (async: its own; sync: the train mesh)."""
+    rollout_mesh = self.meshes()[1]
+    return train_mesh if rollout_mesh is None else rollout_mesh
 
   @property
   def with_reference(self) -> bool:
