@@ -51,8 +51,8 @@ def test_a_cheap_accurate_drafter_wins_with_the_longest_chain_a_costly_one_loses
   state = InLoopState.initial(CONFIG, ONE_WIDTH).replace(
       accepted_Z=jnp.asarray([90.0, 80.0, 70.0]), reached_Z=jnp.asarray([100.0, 90.0, 80.0]))
   assert int(best_shape(CONFIG, state, 0)) == 3
-  # Drafting rounds costing 3x a plain one cannot pay for ~3.4 tokens per round.
-  costly = state.replace(cost_SxW=jnp.asarray([[1.0], [3.0], [3.0], [3.0], [3.0]]))
+  # Drafting rounds costing 4x a plain one cannot pay for at most ~3.4 tokens per round.
+  costly = state.replace(cost_SxW=jnp.asarray([[1.0], [4.0], [4.0], [4.0], [4.0]]))
   assert int(best_shape(CONFIG, costly, 0)) == 0
   tokens = np.asarray(expected_tokens_S(CONFIG, state))
   rates = tuple(np.asarray(acceptance_rates(state.accepted_Z, state.reached_Z)))
