@@ -84,8 +84,9 @@ def test_an_adaptive_rl_step_is_one_jitted_call_that_carries_the_controller(
   final, records = uninterrupted
   assert program.rl_step._cache_size() == 1
   state, _ = program.rl_step(_copy(program, final), *_inputs(program, 4))
+  inputs = _inputs(program, 5)
   with jax.transfer_guard("disallow"):
-    state, metrics = program.rl_step(state, *_inputs(program, 5))
+    state, metrics = program.rl_step(state, *inputs)
   assert program.rl_step._cache_size() == 1
   metrics = sync.to_host(metrics)
   labels = in_loop_config(SPEC).labels
