@@ -115,7 +115,7 @@ class InLoopState:
   accepted_Z / reached_Z: faded counts, per chain position, of accepted drafts and of
     drafts reached (position i is reached by the rounds that accepted i - 1);
   tree_accepted_T / tree_drafted_T: per tree, faded accepted drafts and drafting
-    slot-rounds; cost_SxW: measured seconds per round of each shape at each width;
+    slot-rounds (one unused entry when the menu has no tree); cost_SxW: measured seconds per round of each shape at each width;
   rounds_SxW: rounds each shape ran at each width, over the run; probes_W: of those,
     the exploration rounds; last_SxW: the round clock when the shape last ran there
     (-1: never); since_probe_W / interval_W / best_W: the re-try schedule of each
@@ -145,7 +145,8 @@ class InLoopState:
     check(bool(np.all(np.isfinite(cost_SxW)) and np.all(cost_SxW > 0)), "InLoopState",
           "cost_SxW", cost_SxW.tolist(), "finite positive seconds per round")
     widths = cost_SxW.shape[1]
-    k, trees = config.k_max, len(config.trees)
+    # One tree slot even without trees: checkpoints cannot hold zero-size arrays.
+    k, trees = config.k_max, max(len(config.trees), 1)
     zeros_W = jnp.zeros((widths,), jnp.int32)
     return cls(accepted_Z=jnp.zeros((k,), jnp.float32), reached_Z=jnp.zeros((k,), jnp.float32),
                tree_accepted_T=jnp.zeros((trees,), jnp.float32),
@@ -230,7 +231,8 @@ def observe(config: InLoopConfig, state: InLoopState, width: int, shape: Array,
   reached_Z = jnp.concatenate([drafting_slots[None].astype(jnp.float32),
                                accepted_Z[:-1].astype(jnp.float32)])
   in_chain_Z = is_chain & (position_Z < jnp.asarray(depth_S)[shape])
-  tree_T = jnp.arange(len(config.trees)) + k + 1 == shape
+  slots_T = jnp.arange(state.tree_drafted_T.shape[0])
+  tree_T = (slots_T + k + 1 == shape) & (slots_T < len(config.trees))
   drafted = drafting_slots.astype(jnp.float32)
   return state.replace(
       accepted_Z=state.accepted_Z + jnp.where(in_chain_Z, accepted_Z, 0),

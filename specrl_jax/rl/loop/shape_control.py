@@ -52,7 +52,8 @@ def with_controller(state, spec: SpecConfig, cost_SxW, mesh: Mesh):
 
 def shape_labels(controller: InLoopState) -> tuple[str, ...]:
   """Metric labels of the menu from its arrays: plain, chain_k1.., tree0, tree1."""
-  k, trees = controller.accepted_Z.shape[0], controller.tree_drafted_T.shape[0]
+  k = controller.accepted_Z.shape[0]
+  trees = controller.cost_SxW.shape[0] - k - 1
   return ("plain",) + tuple(f"chain_k{i}" for i in range(1, k + 1)) + tuple(
       f"tree{t}" for t in range(trees))
 
