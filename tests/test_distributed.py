@@ -324,7 +324,8 @@ def test_two_processes_take_the_sync_rl_steps_of_one(rl_runs):
   root = rl_runs["root"]
   one, two = read_jsonl(root / "one" / "metrics.jsonl"), read_jsonl(root / "two" / "metrics.jsonl")
   assert [r["step"] for r in two] == [0, 1]  # logged once, by process 0
-  assert any(r["grad_norm"] > 0 for r in one)
+  # Heads are split over "tensor" beside the batch shards; every compared step trains.
+  assert all(r["grad_norm"] > 0 for r in one + two)
   for ours, theirs in zip(two, one):
     assert ours.keys() == theirs.keys()
     for name in ours.keys() - set(TIMING):
@@ -365,7 +366,8 @@ def test_async_rl_with_rollouts_and_training_on_different_processes_matches_one(
   two = read_jsonl(root / "async_two" / "metrics.jsonl")
   assert [r["step"] for r in two] == [0, 1]
   assert [r["policy_lag"] for r in two] == [0, 1]
-  assert any(r["grad_norm"] > 0 for r in one)
+  # Heads are split over "tensor" beside the batch shards; every compared step trains.
+  assert all(r["grad_norm"] > 0 for r in one + two)
   for ours, theirs in zip(two, one):
     assert ours.keys() == theirs.keys()
     for name in ours.keys() - set(TIMING) - ASYNC_TIMING:

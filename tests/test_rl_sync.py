@@ -27,13 +27,13 @@ ROLLOUT = rollout.RolloutConfig(group_size=4, prompts_per_step=4, sampling=SAMPL
 PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
 
 
-def _program(mesh):
+def _program(mesh, task=TASK):
   graphdef, params = nnx.split(sj.Transformer(POLICY, rngs=nnx.Rngs(0)))
   online = online_drafters.online_drafter(
       sj.drafters.DraftModel(sj.Transformer(DRAFT, rngs=nnx.Rngs(1))), sampling=SAMPLING)
   state = rl.init_train_state(params, LEARNER, mesh, rng=jax.random.key(0),
                               drafter_params=online.trainable)
-  program = sync.build_program(graphdef, POLICY, TASK, LEARNER, ROLLOUT, mesh, state,
+  program = sync.build_program(graphdef, POLICY, task, LEARNER, ROLLOUT, mesh, state,
                                prompt_width=PROMPTS.tokens_PxT.shape[1], online=online,
                                spec=sj.SpecConfig(num_draft_tokens=3))
   return program, state
@@ -126,17 +126,37 @@ def test_the_rollout_gives_every_sample_its_own_slot(speculative):
 
 def test_a_tensor_parallel_rollout_samples_what_one_device_samples():
   """Weights and KV heads split two ways change where the arithmetic runs, not the
-  trajectories; the one-jit step trains on them."""
+  trajectories; a host (Python) reward scores them outside the decode loop's partly
+  automatic region; the one-jit step trains on them."""
   one, one_state = _program(parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1]))
-  two, two_state = _program(parallel.make_mesh((1, 1, 2), devices=jax.devices()[:2]))
+  hosted = tasks.PythonRewardTask(task=TASK, fn=tasks.arithmetic_answer_checker)
+  two, two_state = _program(parallel.make_mesh((1, 1, 2), devices=jax.devices()[:2]),
+                            task=hosted)
   expected = jax.device_get(one.rollout_jit(one_state, *_inputs(one, 0)))
   got = jax.device_get(two.rollout_jit(two_state, *_inputs(two, 0)))
   np.testing.assert_array_equal(got.batch.tokens, expected.batch.tokens)
+  np.testing.assert_array_equal(got.rewards_R, expected.rewards_R)
   np.testing.assert_allclose(got.batch.rollout_logprobs, expected.batch.rollout_logprobs,
                              atol=1e-5)
   assert two_state.params["layers"][0]["attn"]["q_proj"].value.sharding.spec[1] == "tensor"
   state, metrics = two.rl_step(_copy(two, two_state), *_inputs(two, 1))
   assert np.isfinite(sync.to_host(metrics)["loss"]) and int(state.step) == 1
+
+
+def test_heads_split_over_tensor_beside_batch_shards_sample_what_the_batch_shards_alone_do():
+  """On a (2, 2, 2) mesh each batch shard decodes with its weights and KV heads split
+  over its tensor pair: the same trajectories and (host-scored) rewards as the
+  (2, 2, 1) mesh's."""
+  whole, whole_state = _program(parallel.make_mesh((2, 2, 1), devices=jax.devices()[:4]))
+  hosted = tasks.PythonRewardTask(task=TASK, fn=tasks.arithmetic_answer_checker)
+  split, split_state = _program(parallel.make_mesh((2, 2, 2)), task=hosted)
+  expected = jax.device_get(whole.rollout_jit(whole_state, *_inputs(whole, 0)))
+  got = jax.device_get(split.rollout_jit(split_state, *_inputs(split, 0)))
+  np.testing.assert_array_equal(got.batch.tokens, expected.batch.tokens)
+  np.testing.assert_allclose(got.batch.rollout_logprobs, expected.batch.rollout_logprobs,
+                             atol=1e-5)
+  np.testing.assert_array_equal(got.rewards_R, expected.rewards_R)
+  assert split_state.params["layers"][0]["attn"]["q_proj"][...].sharding.spec[1] == "tensor"
 
 
 def _budget_for_slots(num_slots: int) -> int:

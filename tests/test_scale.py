@@ -17,9 +17,10 @@ from flax import nnx
 from specrl_jax import drafters, parallel, testing
 from specrl_jax.config import ModelConfig, SamplingParams, SpecConfig
 from specrl_jax.sampling import rollout as rollout_programs, sharded
+from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.generate import generate, prepare
-from specrl_jax.sampling.sharded import tree_bytes
+from specrl_jax.sampling.memory import tree_bytes
 
 VOCAB = 12
 # Four KV heads, so a 4-way tensor axis splits the pages too.
@@ -86,8 +87,8 @@ def test_each_of_four_tensor_shards_holds_a_quarter_of_the_weights_and_pages(tar
   graphdef, params = nnx.split(target)
   params = sharded.place_weights(params, mesh)
   inputs, rng = sharded.replicate(mesh, (inputs, jax.random.key(0)))
-  state, _ = rollout_programs._start(graphdef, params, (), *inputs, rng, sampling=GREEDY,
-                                    layout=layout)
+  state, _ = rollout_programs.start(graphdef, params, (), inputs, rng, sampling=GREEDY,
+                                   layout=layout)
 
   def bytes_on(device, tree):
     return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
@@ -96,8 +97,8 @@ def test_each_of_four_tensor_shards_holds_a_quarter_of_the_weights_and_pages(tar
   pages = (state.kv.k_pages, state.kv.v_pages)
   for device in mesh.devices.flat:
     # Norm scales are replicated: a little over a quarter.
-    assert 0.25 <= bytes_on(device, params) / tree_bytes(params) < 0.27
-    assert bytes_on(device, pages) / tree_bytes(pages) == pytest.approx(0.25)
+    assert 0.25 <= bytes_on(device, params) / tree_bytes(params, per_device=False) < 0.27
+    assert bytes_on(device, pages) / tree_bytes(pages, per_device=False) == pytest.approx(0.25)
 
 
 def test_adaptive_speculation_refuses_batch_shards_with_a_clear_error(target, draft):
@@ -145,8 +146,8 @@ def test_a_bf16_target_keeps_bf16_weights_activations_and_pages(bf16_target):
   assert layout.kv_dtype == "bfloat16"
   graphdef, params = nnx.split(bf16_target)
   assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-  state, _ = rollout_programs._start(graphdef, params, (), *inputs, jax.random.key(0),
-                                    sampling=GREEDY, layout=layout)
+  state, _ = rollout_programs.start(graphdef, params, (), inputs, jax.random.key(0),
+                                   sampling=GREEDY, layout=layout)
   assert state.kv.k_pages[0].dtype == jnp.bfloat16
   out = generate(bf16_target, PROMPTS, sampling=SamplingParams(max_new_tokens=4))
   assert out.logprobs.dtype == np.float32 and np.all(out.logprobs <= 0)
@@ -181,3 +182,21 @@ def test_tensor_parallel_meshes_attend_with_the_reference():
   with pytest.raises(ValueError, match="attention='pallas' cannot run on mesh"):
     generate(testing.peaked_random_model(TARGET, seed=0), PROMPTS, sampling=GREEDY,
              mesh=mesh, engine=EngineConfig(attention="pallas"))
+
+
+def test_one_rule_replicates_a_small_drafter_and_splits_one_like_the_target():
+  """``generate``, the sync RL step (on traced weights) and the async weight push all
+  place the drafter by ``sharded.rollout_shardings``: at most a tenth of the target's
+  bytes, or a mesh without a tensor axis, replicated; otherwise split like the target."""
+  abstract = lambda config: nnx.state(nnx.eval_shape(
+      lambda: Transformer(config, rngs=nnx.Rngs(0))))
+  target_params = abstract(TARGET.replace(num_layers=16))
+  small, large = abstract(DRAFT), abstract(TARGET)
+  mesh = mesh_of((1, 1, 2))
+  assert sharded.drafter_placement(small, target_params, mesh) == "replicated"
+  assert sharded.drafter_placement(large, target_params, mesh) == "tensor"
+  assert sharded.drafter_placement(large, target_params, mesh_of((1, 1, 1))) == "replicated"
+  _, drafter_shardings, _ = sharded.rollout_shardings(target_params, large, mesh)
+  q_proj = drafter_shardings["layers"][0]["attn"]["q_proj"]
+  assert q_proj.get_value().spec[1] == "tensor"
+

@@ -19,14 +19,11 @@ from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling import sharded
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.inputs import check_arguments
-from specrl_jax.sampling.layout import (
-    engine_layout, group_prompts, pack, pack_prompts, padded_width, tensor_shards_of,
-    weight_bytes_for,
-)
+from specrl_jax.sampling.plan import RolloutPlan, plan_for_prompts
 from specrl_jax.sampling.programs import bucket_inputs, trim
 from specrl_jax.sampling.results import GenerateOutput, raise_if_exhausted, to_output
 from specrl_jax.sampling.compaction import compaction_stats
-from specrl_jax.sampling.rollout import _generate_sharded, generate_whole, widths_of
+from specrl_jax.sampling.rollout import generate_on_shards, generate_whole, widths_of
 from specrl_jax.sampling.hooks import RoundHook
 
 # (graphdef, params, hook_params, inputs, rng, layout, placement) -> GenerateOutput.
@@ -47,28 +44,25 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
 def decode(model: Transformer, prompts: list[list[int]], rng: jax.Array, *,
            sampling: SamplingParams, engine: EngineConfig, mesh: Mesh | None,
            rounds: RoundHook | None = None, decode_fn: DecodeFn | None = None) -> GenerateOutput:
-  """Decodes validated ``prompts`` with plain rounds or the round hook ``rounds``.
+  """Decodes validated ``prompts`` with plain rounds or the round hook ``rounds``, as
+  their ``plan.plan_for_prompts`` lays them out.
 
   decode_fn: replaces the whole-rollout program (the adaptive engine's host loop): it
   gets the placed, unbucketed inputs; meshes with batch shards do not run it.
   """
-  config = model.config
   graphdef, params = nnx.split(model)
-  engine = sharded.engine_for_mesh(engine, mesh)
-  if mesh is not None and sharded.batch_shards(mesh) > 1:
-    return _decode_on_shards(config, graphdef, params, prompts, rng, sampling=sampling,
-                             engine=engine, mesh=mesh, rounds=rounds)
-  inputs, layout = pack(config, prompts, sampling, engine, rounds=rounds,
-                        weight_bytes=weight_bytes_for(params, engine, mesh),
-                        tensor_shards=tensor_shards_of(mesh))
+  plan, inputs, blocks = plan_for_prompts(model.config, prompts, sampling=sampling,
+                                          engine=engine, rounds=rounds, mesh=mesh,
+                                          params=params)
+  params, hook_params, placement = plan.place(
+      params, rounds.params() if rounds is not None else ())
+  if blocks is not None:
+    return _decode_on_shards(plan, graphdef, params, hook_params, inputs, blocks, rng,
+                             sampling=sampling, placement=placement)
+  layout = plan.layout
   if decode_fn is None:
-    inputs, layout = bucket_inputs(inputs, layout, engine)
-  hook_params = rounds.params() if rounds is not None else ()
-  placement = None
+    inputs, layout = bucket_inputs(inputs, layout, plan.engine)
   if mesh is not None:
-    sharded.check_mesh(mesh)
-    params = sharded.place_weights(params, mesh)
-    hook_params, placement = sharded.place_drafter(hook_params, params, mesh)
     inputs, rng = sharded.replicate(mesh, (inputs, rng))
   if decode_fn is not None:
     return decode_fn(graphdef, params, hook_params, inputs, rng, layout, placement)
@@ -77,27 +71,16 @@ def decode(model: Transformer, prompts: list[list[int]], rng: jax.Array, *,
               len(prompts))
 
 
-def _decode_on_shards(config, graphdef, params, prompts: list[list[int]], rng, *,
-                      sampling: SamplingParams, engine: EngineConfig, mesh: Mesh,
-                      rounds: RoundHook | None) -> GenerateOutput:
+def _decode_on_shards(plan: RolloutPlan, graphdef, params, hook_params, inputs: tuple,
+                      blocks: sharded.RequestBlocks, rng, *, sampling: SamplingParams,
+                      placement: str | None) -> GenerateOutput:
   """The whole rollout with the requests split over the mesh's batch shards, each
   shard's engine on its contiguous block (one compiled program for all shards)."""
-  sharded.check_mesh(mesh)
-  blocks = sharded.RequestBlocks.split(prompts, sharded.batch_shards(mesh))
-  width = padded_width(max(len(p) for p in prompts), engine)
-  inputs, _ = sharded.pack_blocks(blocks, group_prompts, pack_prompts, width)
-  prompt_pages = int(np.max(np.sum(-(-inputs[1] // engine.page_size), axis=1)))
-  layout = engine_layout(config, prompt_width=width, prompt_pages=prompt_pages,
-                         num_requests=len(blocks.blocks[0]), sampling=sampling, engine=engine,
-                         drafter=rounds, weight_bytes=weight_bytes_for(params, engine, mesh),
-                         tensor_shards=tensor_shards_of(mesh))
-  params = sharded.place_weights(params, mesh)
-  hook_params, placement = sharded.place_drafter(
-      rounds.params() if rounds is not None else (), params, mesh)
+  mesh, layout, rounds = plan.mesh, plan.layout, plan.rounds
   start = time.perf_counter()
-  final = _generate_sharded(graphdef, params, hook_params, sharded.replicate(mesh, rng),
-                            *sharded.on_rows(mesh, inputs), mesh=mesh, sampling=sampling,
-                            layout=layout, rounds=rounds)
+  final = generate_on_shards(graphdef, params, hook_params, sharded.replicate(mesh, rng),
+                             *sharded.on_rows(mesh, inputs), mesh=mesh, sampling=sampling,
+                             layout=layout, rounds=rounds)
   final = jax.device_get(final)
   seconds = time.perf_counter() - start
   if np.any(final.pool.exhausted):

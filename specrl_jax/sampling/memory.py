@@ -14,14 +14,17 @@ from specrl_jax.parallel.rules import named_shardings, rollout_rules
 from specrl_jax.sampling.hooks import RoundHook
 
 
-def tree_bytes(tree) -> int:
-  """Bytes of the arrays in ``tree`` on the device holding the most of them (all of
-  each leaf when a leaf is a host array or unsharded)."""
+def tree_bytes(tree, *, per_device: bool = True) -> int:
+  """Bytes of the arrays in ``tree``. per_device: on the device holding the most of
+  them (all of each leaf that is a host array, unsharded, or abstract); else their
+  logical size, from shapes and dtypes alone (tracers and abstract arrays too)."""
   held: dict = {}
   for leaf in jax.tree.leaves(tree):
-    shards = getattr(leaf, "addressable_shards", None)
+    if not hasattr(leaf, "dtype"):
+      continue
+    shards = getattr(leaf, "addressable_shards", None) if per_device else None
     if shards is None:
-      held[None] = held.get(None, 0) + np.asarray(leaf).nbytes
+      held[None] = held.get(None, 0) + math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
       continue
     for shard in shards:
       held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes

@@ -151,6 +151,10 @@ class ProgramCache:
 
 
 PROGRAMS = ProgramCache()
+# The decode program in pieces (``rollout.start`` / ``continue_stage`` / ``compact_slots``):
+# adaptive speculation runs one per (shape, width) of its menu, more than PROGRAMS keeps,
+# and a rollout that evicted its own stages would recompile them every call.
+STAGE_PROGRAMS = ProgramCache(max_programs=256)
 
 
 def program_cache_info() -> dict[str, int]:
@@ -162,7 +166,7 @@ def program_cache_info() -> dict[str, int]:
 def programs_compiled() -> int:
   """How many generate programs have been compiled so far in this process (a call
   that raised it compiled, so its time is not a decode time)."""
-  return PROGRAMS.info()["compiles"]
+  return PROGRAMS.info()["compiles"] + STAGE_PROGRAMS.info()["compiles"]
 
 
 def set_program_cache_size(max_programs: int) -> None:

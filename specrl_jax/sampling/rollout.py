@@ -30,7 +30,7 @@ from specrl_jax.sampling.engine import DecodeState, Prompts, is_done, live_seque
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling import sharded
 from specrl_jax.sampling.prefill import prefill
-from specrl_jax.sampling.programs import PROGRAMS
+from specrl_jax.sampling.programs import PROGRAMS, STAGE_PROGRAMS
 from specrl_jax.sampling.layout import Layout
 from specrl_jax.sampling.results import GenerateOutput, fetch_results, raise_if_exhausted, to_output
 from specrl_jax.sampling.hooks import RoundHook
@@ -219,14 +219,14 @@ _STATIC = ("graphdef", "sampling", "layout", "rounds")
 
 # The decode program in pieces, for engines that decide between batches of rounds on the
 # host (adaptive speculation): each piece is compiled once per static arguments and input
-# shapes and kept in ``PROGRAMS`` (``programs_compiled`` counts the compiles).
+# shapes and kept in ``STAGE_PROGRAMS`` (``programs_compiled`` counts the compiles).
 
 def start(graphdef, params, hook_params, inputs: tuple, rng, *, sampling: SamplingParams,
           layout: Layout, rounds: RoundHook | None = None) -> tuple[DecodeState, Prompts]:
   """``start_rollout`` as a compiled program: the prefilled state and the prompts the
   loop admits requests from. inputs: (tokens_UxT, lengths_U, prompt_of_request_R,
   last_request_U), as ``layout.pack`` makes them."""
-  return PROGRAMS.call(start_rollout, (graphdef,),
+  return STAGE_PROGRAMS.call(start_rollout, (graphdef,),
                        dict(sampling=sampling, layout=layout, rounds=rounds),
                        params, hook_params, *inputs, rng)
 
@@ -239,7 +239,7 @@ def continue_stage(graphdef, params, hook_params, state: DecodeState, prompts: P
   (``state``'s buffers are donated to it): the state and the report the host decides
   on, (counters, whether every request is done, (remaining_N, queued), live sequences).
   ``max_rounds`` is traced (an int32 scalar): batches of any size share one program."""
-  program = PROGRAMS.compiled(
+  program = STAGE_PROGRAMS.compiled(
       _continue_reporting, (graphdef,),
       dict(stage=stage, sampling=sampling, layout=layout, rounds=rounds),
       params, hook_params, state, prompts, max_rounds, donate=(2,))
@@ -253,7 +253,7 @@ def compact_slots(state: DecodeState, width: int, hook: RoundHook | None = None
   are not)."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-    program = PROGRAMS.compiled(compact, (), dict(width=width, hook=hook), state,
+    program = STAGE_PROGRAMS.compiled(compact, (), dict(width=width, hook=hook), state,
                                 donate=(0,))
     return program(state)
 
@@ -303,4 +303,4 @@ def _sharded_rollout(graphdef, params, hook_params, rng, tokens_QxUxT, lengths_Q
       last_request_QxU)
 
 
-_generate_sharded = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))
+generate_on_shards = jax.jit(_sharded_rollout, static_argnames=_STATIC + ("mesh",))

@@ -22,15 +22,11 @@ from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
 from specrl_jax.parallel.rules import (
     TRANSFORMER_RULES, PartitionRules, named_shardings, rollout_rules,
 )
+from specrl_jax.sampling.memory import tree_bytes
 
 # A drafter whose weights are at most this share of the target's is replicated: its
 # layers are too narrow for splitting them to pay for the collectives it adds.
 REPLICATE_DRAFTER_BELOW = 0.1
-
-
-def tree_bytes(tree: Any) -> int:
-  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree)
-             if hasattr(leaf, "dtype"))
 
 
 def place_weights(params: Any, mesh: Mesh, rules: PartitionRules = TRANSFORMER_RULES) -> Any:
@@ -39,14 +35,33 @@ def place_weights(params: Any, mesh: Mesh, rules: PartitionRules = TRANSFORMER_R
   return jax.device_put(params, named_shardings(params, mesh, rollout_rules(rules)))
 
 
+def drafter_placement(drafter_params: Any, target_params: Any, mesh: Mesh) -> str:
+  """"replicated" (a drafter at most ``REPLICATE_DRAFTER_BELOW`` of the target's
+  bytes, or a mesh without a tensor axis) or "tensor" (split like the target). Reads
+  shapes only: works on placed, abstract and traced weights alike."""
+  small = (tree_bytes(drafter_params, per_device=False)
+           <= REPLICATE_DRAFTER_BELOW * tree_bytes(target_params, per_device=False))
+  return "replicated" if small or mesh.shape["tensor"] == 1 else "tensor"
+
+
+def rollout_shardings(target_params: Any, drafter_params: Any, mesh: Mesh
+                      ) -> tuple[Any, Any, str]:
+  """Where a rollout on ``mesh`` reads its weights: (the target's shardings, the
+  drafter's, ``drafter_placement``). ``generate``, the sync RL step and the async
+  pipeline's weight push all lay weights out by this."""
+  target = named_shardings(target_params, mesh, rollout_rules())
+  placement = drafter_placement(drafter_params, target_params, mesh)
+  drafter = (jax.tree.map(lambda _: NamedSharding(mesh, P()), drafter_params)
+             if placement == "replicated"
+             else named_shardings(drafter_params, mesh, rollout_rules()))
+  return target, drafter, placement
+
+
 def place_drafter(drafter_params: Any, target_params: Any, mesh: Mesh
                   ) -> tuple[Any, str]:
-  """(drafter weights on ``mesh``, "replicated" or "tensor"): small drafters are
-  replicated, others split like the target."""
-  target = tree_bytes(target_params)
-  if tree_bytes(drafter_params) <= REPLICATE_DRAFTER_BELOW * target or mesh.shape["tensor"] == 1:
-    return jax.device_put(drafter_params, NamedSharding(mesh, P())), "replicated"
-  return place_weights(drafter_params, mesh), "tensor"
+  """(drafter weights on ``mesh``, "replicated" or "tensor"): see ``rollout_shardings``."""
+  _, shardings, placement = rollout_shardings(target_params, drafter_params, mesh)
+  return jax.device_put(drafter_params, shardings), placement
 
 
 @dataclasses.dataclass(frozen=True)

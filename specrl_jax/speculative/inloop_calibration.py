@@ -27,7 +27,7 @@ from specrl_jax.config import SamplingParams, SpecConfig, check
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.layout import pack
+from specrl_jax.sampling.plan import plan_for_prompts
 from specrl_jax.sampling.results import GenerateOutput
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.inloop import InLoopConfig, InLoopState
@@ -114,7 +114,9 @@ def engine_widths(model: Transformer, prompts: Sequence[Sequence[int]],
   """The stage widths ``generate_in_loop`` decodes ``prompts`` in (the memory plan
   counts the drafter's layers)."""
   rounds = rounds_of(*speculation(model.config, sampling, drafter, spec))
-  _, layout = pack(model.config, [list(p) for p in prompts], sampling, engine, rounds=rounds)
+  plan = plan_for_prompts(model.config, [list(p) for p in prompts], sampling=sampling,
+                          engine=engine, rounds=rounds, mesh=None)[0]
+  layout = plan.layout
   return stage_widths(layout.num_slots, layout.compaction_min_width)
 
 

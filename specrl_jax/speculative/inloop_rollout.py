@@ -73,6 +73,9 @@ def generate_in_loop(model: Transformer, prompts: Sequence[Sequence[int]], *,
 
   def decode_fn(graphdef, params, hook_params, inputs, rng, layout, placement):
     hook = in_loop_hook(bound, spec, draft_mode, widths_of(layout))
+    if controller.cost_SxW.shape[1] != len(hook.widths):
+      raise ValueError(f"controller.cost_SxW has {controller.cost_SxW.shape[1]} widths; this "
+                       f"rollout decodes in {len(hook.widths)}: {hook.widths}.")
     output = generate_whole(graphdef, params, inputs, rng, sampling=sampling, layout=layout,
                             rounds=hook, hook_params=(hook_params, controller))
     after["controller"] = output.stats.pop("controller")

@@ -43,7 +43,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specrl_jax.config import ConfigError, SpecConfig, check
 from specrl_jax.parallel import distributed
 from specrl_jax.parallel.mesh import batch_sharding
-from specrl_jax.parallel.rules import named_shardings, rollout_rules
 from specrl_jax.rl.loop.learn_step import make_learn_step
 from specrl_jax.rl.loop.learner import Batch, LearnerConfig, TrainState
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter
@@ -54,7 +53,7 @@ from specrl_jax.rl.loop.shape_control import check_controller
 from specrl_jax.rl.loop.sync import to_host
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
-from specrl_jax.sampling.sharded import REPLICATE_DRAFTER_BELOW, tree_bytes
+from specrl_jax.sampling.sharded import rollout_shardings
 from specrl_jax.speculative.inloop import InLoopState
 from specrl_jax.speculative.drafters.base import Drafter
 
@@ -159,7 +158,6 @@ class AsyncPipeline:
     self._train = jax.jit(learn, in_shardings=(shardings, None),
                           out_shardings=(shardings, NamedSharding(train_mesh, P())),
                           donate_argnums=0)
-    self._replicated = NamedSharding(rollout_mesh, P())
     self._rollout_rows = batch_sharding(rollout_mesh)
     self._train_rows = batch_sharding(train_mesh)
     # (update, policy version) of every batch trained on: the lag record tests read.
@@ -187,12 +185,7 @@ class AsyncPipeline:
         lambda _: self._replicated, state.controller))
 
   def _rollout_layout(self, params, drafter_params):
-    mesh = self.rollout_mesh
-    layout = named_shardings(params, mesh, rollout_rules())
-    small = tree_bytes(drafter_params) <= REPLICATE_DRAFTER_BELOW * tree_bytes(params)
-    drafter_layout = (jax.tree.map(lambda _: self._replicated, drafter_params)
-                      if small or mesh.shape["tensor"] == 1
-                      else named_shardings(drafter_params, mesh, rollout_rules()))
+    layout, drafter_layout, _ = rollout_shardings(params, drafter_params, self.rollout_mesh)
     return layout, drafter_layout
 
   def _to_train_mesh(self, trajectories: Trajectories) -> Trajectories:

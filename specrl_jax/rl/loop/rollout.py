@@ -23,7 +23,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from specrl_jax.config import SamplingParams, SpecConfig, check, check_positive_int
 from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
-from specrl_jax.parallel.rules import named_shardings, rollout_rules
 from specrl_jax.rl.loop.policy_loss import check_warp
 from specrl_jax.rl.loop.train_state import Batch
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter
@@ -31,14 +30,13 @@ from specrl_jax.rl.loop.shape_control import controller_metrics, step_counters
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.compaction import stage_widths
-from specrl_jax.sampling.layout import engine_layout, padded_width
-from specrl_jax.sampling.sharded import engine_for_mesh, manual_axes
+from specrl_jax.sampling.layout import padded_width
+from specrl_jax.sampling.plan import plan_rollout
+from specrl_jax.sampling.rollout import rollout as engine_rollout
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.inloop import InLoopState, fade, merge_shards
 from specrl_jax.speculative.inloop_rollout import in_loop_hook, in_loop_rollout
-from specrl_jax.speculative.rollout import (
-    acceptance_length, rollout as engine_rollout, speculation,
-)
+from specrl_jax.speculative.rollout import acceptance_length, rounds_of, speculation
 
 Array = jax.Array
 
@@ -123,14 +121,13 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
   (required) and ``Trajectories.controller`` the one to carry to the next rollout."""
   sampling = rollout_config.sampling
   group = rollout_config.group_size
-  engine = engine_for_mesh(engine, mesh)
-  plan = shard_layout(model_config, rollout_config, mesh, prompt_width=prompt_width,
-                      drafter=drafter, spec=spec, engine=engine)
-  layout, bound_drafter, topology, draft_mode = plan
-  depth = topology.depth if topology is not None else 0
-  widths = stage_widths(layout.num_slots, layout.compaction_min_width)
-  widths_W = jnp.asarray(widths, jnp.int32)
-  hook = in_loop_hook(bound_drafter, spec, draft_mode, widths)
+  plan, rounds, hook = shard_plan(model_config, rollout_config, mesh,
+                                  prompt_width=prompt_width, drafter=drafter, spec=spec,
+                                  engine=engine)
+  local_prompts = rollout_config.prompts_per_step // data_parallel_size(mesh)
+  layout = plan.layout
+  depth = rounds.topology.depth if rounds is not None else 0
+  widths_W = jnp.asarray(stage_widths(layout.num_slots, layout.compaction_min_width), jnp.int32)
 
   def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng, controller):
     rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
@@ -140,15 +137,13 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
     if hook is None:
       final = engine_rollout(graphdef, params, drafter_params, tokens_PxT, lengths_P,
                              prompt_of_request_R, last_request_P, rng, sampling=sampling,
-                             layout=layout, drafter=bound_drafter, topology=topology,
-                             draft_mode=draft_mode)
+                             layout=layout, rounds=rounds)
     else:
       final, controller = in_loop_rollout(
           graphdef, params, (drafter_params, controller), tokens_PxT, lengths_P,
           prompt_of_request_R, last_request_P, rng, sampling=sampling, layout=layout,
           hook=hook)
     request_targets = jax.tree.map(lambda t: jnp.repeat(t, group, axis=0), targets)
-    rewards_R = task.reward(request_targets, final.out_tokens_RxL, final.out_lengths_R)
     tokens, mask, log_probs = build_rows(
         tokens_PxT[prompt_of_request_R], lengths_P[prompt_of_request_R], final.out_tokens_RxL,
         final.out_lengths_R, final.out_log_probs_RxL)
@@ -166,15 +161,15 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                 "accepted_per_position": final.counters.get(
                     "accepted_per_position", jnp.zeros((depth,), jnp.int32))}
     per_shard = jax.tree.map(lambda x: x[None], (counters, final.pool.exhausted, controller))
-    return tokens, mask, log_probs, rewards_R.astype(jnp.float32), final.out_lengths_R, per_shard
+    return (tokens, mask, log_probs, final.out_lengths_R,
+            (request_targets, final.out_tokens_RxL), per_shard)
 
-  rows = P(BATCH_AXES)
-  # Manual over the batch axes only: each (data, fsdp) shard runs its own engine, while
-  # the "tensor" axis stays automatic, so weights sharded over it (heads, MLP columns)
-  # stay sharded and the compiler splits every layer and the KV pages' heads with them.
-  sharded = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), rows, rows, rows, P(), P()),
-                          out_specs=(rows, rows, rows, rows, rows, rows),
-                          axis_names=rollout_manual_axes(mesh), check_vma=False)
+  rows = plan.rows
+  # Each (data, fsdp) shard runs its own engine, with the weights (heads, MLP columns)
+  # and the KV pages' heads split over its "tensor" group (``RolloutPlan.per_shard``).
+  sharded = plan.per_shard(shard, in_specs=(P(), P(), rows, rows, rows, P(), P()),
+                           out_specs=(rows,) * 6)
+  score = reward_program(task, mesh, local_prompts * group)
 
   def rollout(params, drafter_params, prompts: PromptBatch, rng, version,
               controller: InLoopState | None = None) -> Trajectories:
@@ -183,15 +178,21 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
           "the rollout's controller: pass the carried InLoopState exactly when the spec is "
           f"adaptive (spec.adaptive={spec is not None and spec.adaptive}, controller "
           f"{'given' if controller is not None else 'None'}).")
+    if hook is not None and controller.cost_SxW.shape != (len(hook.config.shapes),
+                                                         len(hook.widths)):
+      raise ValueError(f"controller.cost_SxW is shaped {controller.cost_SxW.shape}: expected "
+                       f"{len(hook.config.shapes)} shapes {hook.config.labels} x "
+                       f"{len(hook.widths)} widths {hook.widths}.")
     # Gathered over fsdp here, once: left to the partitioner, the gathers of weights
     # sharded over fsdp (a batch axis of the rollout) can sink into the decode loop, whose
     # trip count differs between batch shards, and its collectives then deadlock.
     params, drafter_params = jax.lax.with_sharding_constraint(
-        (params, drafter_params), (named_shardings(params, mesh, rollout_rules()),
-                                   named_shardings(drafter_params, mesh, rollout_rules())))
-    tokens, mask, log_probs, rewards_R, lengths_R, (counters, exhausted, after) = sharded(
-        params, drafter_params, prompts.tokens_PxT, prompts.lengths_P, dict(prompts.targets),
-        rng, controller)
+        (params, drafter_params), plan.shardings(params, drafter_params)[:2])
+    tokens, mask, log_probs, lengths_R, (targets, response_RxL), per_shard = (
+        sharded(params, drafter_params, prompts.tokens_PxT, prompts.lengths_P,
+                dict(prompts.targets), rng, controller))
+    counters, exhausted, after = per_shard
+    rewards_R = score(targets, response_RxL, lengths_R)
     batch = Batch(tokens=tokens, response_mask=mask, rollout_logprobs=log_probs)
     counters = jax.tree.map(lambda x: jnp.sum(x, axis=0), counters)
     if hook is not None:
@@ -206,10 +207,11 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
   return rollout
 
 
-def shard_layout(model_config, rollout_config: RolloutConfig, mesh: Mesh, *, prompt_width: int,
-                 drafter: Drafter | None, spec: SpecConfig | None, engine: EngineConfig):
-  """(layout, bound drafter, topology, draft_mode) of each batch shard's engine
-  (``engine`` already fitted to the mesh: ``engine_for_mesh``)."""
+def shard_plan(model_config, rollout_config: RolloutConfig, mesh: Mesh, *, prompt_width: int,
+               drafter: Drafter | None, spec: SpecConfig | None, engine: EngineConfig):
+  """(plan, round hook of a fixed shape or None, in-loop hook or None) of each batch
+  shard's engine: one request per sample (with EngineConfig(num_slots=0) a slot per
+  sample), whole groups per shard."""
   shards = data_parallel_size(mesh)
   check(rollout_config.prompts_per_step % shards == 0, "RolloutConfig", "prompts_per_step",
         rollout_config.prompts_per_step,
@@ -218,22 +220,34 @@ def shard_layout(model_config, rollout_config: RolloutConfig, mesh: Mesh, *, pro
   local_prompts = rollout_config.prompts_per_step // shards
   width = padded_width(prompt_width, engine)
   sampling = rollout_config.sampling
-  # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
-  bound_drafter, topology, draft_mode = speculation(model_config, sampling, drafter, spec)
-  layout = engine_layout(model_config, prompt_width=width,
-                         prompt_pages=local_prompts * -(-width // engine.page_size),
-                         num_requests=local_prompts * rollout_config.group_size,
-                         sampling=sampling, engine=engine, drafter=bound_drafter,
-                         tensor_shards=mesh.shape["tensor"])
-  return layout, bound_drafter, topology, draft_mode
+  rounds = rounds_of(*speculation(model_config, sampling, drafter, spec))
+  plan = plan_rollout(model_config, prompt_width=width,
+                      prompt_pages=local_prompts * -(-width // engine.page_size),
+                      num_requests=local_prompts * rollout_config.group_size,
+                      sampling=sampling, engine=engine, rounds=rounds, mesh=mesh)
+  layout = plan.layout
+  hook = None if rounds is None else in_loop_hook(
+      rounds.drafter, spec, rounds.draft_mode,
+      stage_widths(layout.num_slots, layout.compaction_min_width))
+  return plan, rounds, hook
 
 
-def rollout_manual_axes(mesh: Mesh) -> set[str]:
-  """Heads are split over "tensor" inside the rollout only on meshes without batch
-  shards: with data * fsdp > 1 each batch shard decodes with whole weights, replicated
-  over its tensor group (a two-process (2, 2, 2) sync run with split heads trained on
-  zero gradients, unexplained yet)."""
-  return manual_axes(mesh) if data_parallel_size(mesh) == 1 else set(mesh.axis_names)
+def reward_program(task: Task, mesh: Mesh, rows_per_shard: int
+                   ) -> Callable[[dict, Array, Array], Array]:
+  """``(request targets, responses, lengths) -> rewards_R`` over the rollout's rows, in
+  a region manual over every mesh axis: host callbacks (Python rewards) cannot run
+  where an axis is left to the compiler, as "tensor" is in the decode loop. Each device
+  scores its own block of rows (a tensor group shares its batch shard's rows between
+  its devices when they divide evenly, else each of them scores them all)."""
+  tensor = mesh.shape["tensor"]
+  axes = (*BATCH_AXES, "tensor") if rows_per_shard % tensor == 0 else BATCH_AXES
+  rows = P(axes)
+
+  def score(targets, response_RxL, lengths_R):
+    return task.reward(targets, response_RxL, lengths_R).astype(jnp.float32)
+
+  return jax.shard_map(score, mesh=mesh, in_specs=(rows, rows, rows), out_specs=rows,
+                       axis_names=set(mesh.axis_names), check_vma=False)
 
 
 def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str, Array]:

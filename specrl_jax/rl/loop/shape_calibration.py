@@ -17,24 +17,23 @@ from jax.sharding import Mesh
 
 from specrl_jax.config import SpecConfig
 from specrl_jax.parallel.mesh import data_parallel_size
-from specrl_jax.rl.loop.rollout import RolloutConfig, shard_layout
+from specrl_jax.rl.loop.rollout import RolloutConfig, shard_plan
 from specrl_jax.rl.tasks.base import PromptBatch
 from specrl_jax.sampling.compaction import stage_widths
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.rollout import generate_whole
-from specrl_jax.sampling.sharded import engine_for_mesh
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.inloop import InLoopState
 from specrl_jax.speculative.inloop_calibration import Calibration, time_shapes
-from specrl_jax.speculative.inloop_rollout import in_loop_config, in_loop_hook
+from specrl_jax.speculative.inloop_rollout import in_loop_config
 
 
 def rollout_widths(model_config, rollout_config: RolloutConfig, mesh: Mesh, *,
                    prompt_width: int, drafter: Drafter, spec: SpecConfig,
                    engine: EngineConfig) -> tuple[int, ...]:
   """The compaction widths each batch shard of the rollout decodes in."""
-  layout = shard_layout(model_config, rollout_config, mesh, prompt_width=prompt_width,
-                        drafter=drafter, spec=spec, engine=engine_for_mesh(engine, mesh))[0]
+  layout = shard_plan(model_config, rollout_config, mesh, prompt_width=prompt_width,
+                      drafter=drafter, spec=spec, engine=engine)[0].layout
   return stage_widths(layout.num_slots, layout.compaction_min_width)
 
 
@@ -44,12 +43,10 @@ def calibrate_rollout(graphdef: nnx.GraphDef, params, drafter_params, model_conf
                       engine: EngineConfig, rng: jax.Array, repeats: int = 1) -> Calibration:
   """Seconds per round of each menu shape at each width (``Calibration``), timed on
   ``prompts`` (host arrays: a step's prompts; the first shard's are decoded)."""
-  engine = engine_for_mesh(engine, mesh)
-  layout, bound, _, draft_mode = shard_layout(model_config, rollout_config, mesh,
-                                              prompt_width=prompt_width, drafter=drafter,
-                                              spec=spec, engine=engine)
+  plan, _, hook = shard_plan(model_config, rollout_config, mesh, prompt_width=prompt_width,
+                             drafter=drafter, spec=spec, engine=engine)
+  layout = plan.layout
   widths = stage_widths(layout.num_slots, layout.compaction_min_width)
-  hook = in_loop_hook(bound, spec, draft_mode, widths)
   local = rollout_config.prompts_per_step // data_parallel_size(mesh)
   group = rollout_config.group_size
   device = jax.devices()[0]
