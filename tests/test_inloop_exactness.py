@@ -20,6 +20,7 @@ from specrl_jax.rl.loop.rollout import RolloutConfig, make_rollout
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.generate import generate
 from specrl_jax.speculative.inloop import InLoopState
+from specrl_jax.speculative.inloop_calibration import calibrate
 from specrl_jax.speculative.inloop_rollout import generate_in_loop, in_loop_config
 
 VOCAB = tokenizer.VOCAB_SIZE
@@ -117,3 +118,16 @@ def test_greedy_decoding_through_the_in_loop_hook_is_plain_decoding(
   rounds_SxW = np.asarray(controller.rounds_SxW)
   assert rounds_SxW.sum() == out.stats["target_calls"]
   assert np.count_nonzero(rounds_SxW.sum(axis=1)) >= 3  # several shapes ran
+
+
+def test_calibration_times_every_shape_at_every_width_through_the_same_programs(
+    target, noisy_drafter):
+  stop = testing.greedy_reference(target, PROMPTS, 12)[0][2]
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))
+  engine = EngineConfig(page_size=4, num_slots=3, compaction=True)
+  calibration = calibrate(target, PROMPTS, sampling=sampling, drafter=noisy_drafter,
+                          spec=SPEC, engine=engine, rng=jax.random.key(0))
+  assert calibration.widths == (3, 2, 1)
+  assert calibration.cost_SxW.shape == (len(in_loop_config(SPEC).shapes), 3)
+  assert np.all(np.isfinite(calibration.cost_SxW)) and np.all(calibration.cost_SxW > 0)
+  assert calibration.fixed_seconds >= 0

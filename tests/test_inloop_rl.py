@@ -18,6 +18,7 @@ from specrl_jax.config import ConfigError
 from specrl_jax.models import tokenizer
 from specrl_jax.rl import tasks
 from specrl_jax.rl.loop import online_drafters, rollout, sync
+from specrl_jax.rl.loop.shape_calibration import calibrate_rollout, rollout_widths
 from specrl_jax.rl.loop.shape_control import with_controller
 from specrl_jax.speculative.inloop_rollout import in_loop_config
 
@@ -135,3 +136,16 @@ def test_an_adaptive_spec_without_a_carried_controller_is_refused_before_compili
     sync.build_program(graphdef, POLICY, TASK, LEARNER, ROLLOUT, program.mesh, state,
                        prompt_width=PROMPTS.tokens_PxT.shape[1], online=program.online,
                        spec=sj.SpecConfig(num_draft_tokens=2), engine=ENGINE)
+
+
+def test_round_costs_are_measured_per_shape_and_width_on_the_rollouts_own_layout(adaptive):
+  program, state = adaptive
+  kwargs = dict(prompt_width=PROMPTS.tokens_PxT.shape[1], drafter=program.drafter, spec=SPEC,
+                engine=ENGINE)
+  assert rollout_widths(POLICY, ROLLOUT, program.mesh, **kwargs) == WIDTHS
+  calibration = calibrate_rollout(
+      program.graphdef, state.compute_params(), program.rollout_drafter_params(state),
+      POLICY, ROLLOUT, program.mesh, prompts=PROMPTS.take(range(4)), rng=jax.random.key(3),
+      **kwargs)
+  assert calibration.widths == WIDTHS and calibration.cost_SxW.shape == COST.shape
+  assert np.all(np.isfinite(calibration.cost_SxW)) and np.all(calibration.cost_SxW > 0)
