@@ -147,14 +147,16 @@ class InLoopState:
     widths = cost_SxW.shape[1]
     # One tree slot even without trees: checkpoints cannot hold zero-size arrays.
     k, trees = config.k_max, max(len(config.trees), 1)
-    zeros_W = jnp.zeros((widths,), jnp.int32)
+    # A fresh array per field: a train state donated to its step may not hold one buffer
+    # twice.
+    zeros_W = lambda: jnp.zeros((widths,), jnp.int32)
     return cls(accepted_Z=jnp.zeros((k,), jnp.float32), reached_Z=jnp.zeros((k,), jnp.float32),
                tree_accepted_T=jnp.zeros((trees,), jnp.float32),
                tree_drafted_T=jnp.zeros((trees,), jnp.float32),
                cost_SxW=jnp.asarray(cost_SxW), rounds_SxW=jnp.zeros((shapes, widths), jnp.int32),
-               probes_W=zeros_W, last_SxW=jnp.full((shapes, widths), -1, jnp.int32),
-               since_probe_W=zeros_W, interval_W=zeros_W + config.explore_every,
-               best_W=zeros_W, clock=jnp.int32(0), force=jnp.int32(-1))
+               probes_W=zeros_W(), last_SxW=jnp.full((shapes, widths), -1, jnp.int32),
+               since_probe_W=zeros_W(), interval_W=zeros_W() + config.explore_every,
+               best_W=zeros_W(), clock=jnp.int32(0), force=jnp.int32(-1))
 
 
 def acceptance_rates(accepted_Z: Array, reached_Z: Array) -> Array:

@@ -181,8 +181,9 @@ class AsyncPipeline:
     the updates so far measured reaches the next rollout with the weights."""
     if state.controller is None:
       return None
+    replicated = NamedSharding(self.rollout_mesh, P())
     return distributed.transfer(state.controller, jax.tree.map(
-        lambda _: self._replicated, state.controller))
+        lambda _: replicated, state.controller))
 
   def _rollout_layout(self, params, drafter_params):
     layout, drafter_layout, _ = rollout_shardings(params, drafter_params, self.rollout_mesh)
