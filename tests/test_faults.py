@@ -362,3 +362,44 @@ def test_reward_workers_score_like_the_function_in_process():
   np.testing.assert_array_equal(_score(hostile_rewards.length, texts), [3, 0, 4, 1])
   with pytest.raises(ConfigError, match="memory_limit_mb=64 is invalid"):
     tasks.python_reward(hostile_rewards.length, memory_limit_mb=64)  # no worker to limit
+
+
+# ---------------------------------------------------------------- in-loop adaptive resume
+
+# Rollouts choose the draft shape per round (plain, chains 1..3) with the n-gram drafter;
+# the round-cost table is given, so both runs start from the same one (a measured table
+# differs from run to run) and the resumed run's choices rest on its checkpoint alone.
+ADAPTIVE = ["--drafter.kind=ngram", "--drafter.adaptive=true",
+            "--drafter.round_seconds=1.0,1.02,1.04,1.06"]
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def adaptive_killed(request, tmp_path_factory):
+  """An uninterrupted adaptive run and one SIGKILLed (sync: right after step 2's
+  metrics; async: right after checkpoint 1, batches in flight) then resumed."""
+  mode = request.param
+  root = tmp_path_factory.mktemp(f"adaptive_{mode}")
+  cache = root / "jax_cache"
+  extra = ADAPTIVE + (ASYNC if mode == "async" else [])
+  devices = 2 if mode == "async" else 1
+  whole = _fault_run("none", root / "whole", cache, *extra, devices=devices)
+  assert whole.returncode == 0, whole.stdout + whole.stderr
+  shutil.copytree(root / "whole" / "warm_start", root / "killed" / "warm_start")
+  fault = "saved:1" if mode == "async" else "step:2"
+  killed = _fault_run(fault, root / "killed", cache, *extra, devices=devices)
+  assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+  resumed = _fault_run("none", root / "killed", cache, *extra, devices=devices)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  return dict(root=root, resumed=resumed)
+
+
+def test_a_killed_adaptive_run_resumes_choosing_as_the_uninterrupted_run(adaptive_killed):
+  root = adaptive_killed["root"]
+  assert "resumed from checkpoint step" in adaptive_killed["resumed"].stdout
+  whole = read_jsonl(root / "whole" / "metrics.jsonl")
+  resumed = read_jsonl(root / "killed" / "metrics.jsonl")
+  assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+  # The controller ran and explored: its choices are part of what must agree.
+  assert sum(sum(r["inloop_exploration_rounds"]) for r in whole) > 0
+  assert all("inloop_shape_by_width" in r for r in whole)
+  assert _without_timing(resumed) == _without_timing(whole)

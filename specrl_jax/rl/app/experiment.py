@@ -13,9 +13,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from specrl_jax.config import (ConfigError, ModelConfig, SamplingParams, check,
+from specrl_jax.config import (ConfigError, ModelConfig, SamplingParams, SpecConfig, check,
                                check_finite_number, check_non_negative_int,
-                               check_positive_int)
+                               check_positive_int, is_finite_number)
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.app import drafter_registry
 from specrl_jax.rl.app.data_section import DataSection
@@ -27,6 +27,7 @@ from specrl_jax.rl.loop.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.drafters.history_store import HistoryConfig
+from specrl_jax.speculative.inloop import MAX_TREES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,7 +68,15 @@ class DrafterSection:
   online: learned drafters keep training on each step's rollouts during RL.
   fallback: for kind "history", the kind that drafts where the history has no match
     (path, model and online apply to it); history: the history drafter's sizes.
-  """
+
+  adaptive: choose the draft shape per round inside the compiled rollout
+  (``speculative.inloop``) among plain decoding, chains of 1..num_draft_tokens and
+  ``adaptive_trees`` (at most two, children per depth joined by "x", e.g.
+  ``--drafter.adaptive_trees=2x2x1,3x1``). round_seconds: the controller's round cost
+  table, seconds per round of each shape (rows: plain, chains, trees) at each width of
+  slot compaction (columns, widest first), row after row; empty: measured at the start
+  of the run on its own device (``speculative.inloop_calibration``) with
+  ``calibration_repeats`` timed rollouts per shape."""
   kind: str = "draft_model"
   path: str = ""
   fallback: str = "none"
@@ -78,6 +87,10 @@ class DrafterSection:
                                      num_heads=2, num_kv_heads=1, head_dim=32, seed=1)
   ngram_n: int = 3
   history: HistoryConfig = HistoryConfig()
+  adaptive: bool = False
+  adaptive_trees: tuple[str, ...] = ()
+  round_seconds: tuple[float, ...] = ()
+  calibration_repeats: int = 1
 
   def __post_init__(self):
     owner = "DrafterSection"
@@ -95,6 +108,28 @@ class DrafterSection:
     check(isinstance(self.model, ModelSection) and self.model.path == "", owner, "model.path",
           getattr(self.model, "path", self.model),
           "'' (a pretrained draft model is given by --drafter.path=HF_FOLDER)")
+    check(isinstance(self.adaptive, bool), owner, "adaptive", self.adaptive, "True or False")
+    check(not (self.adaptive and self.kind == "none"), owner, "adaptive", self.adaptive,
+          "False with kind='none' (adaptive speculation needs a drafter)")
+    check_positive_int(owner, "calibration_repeats", self.calibration_repeats)
+    check(all(is_finite_number(x) and x > 0 for x in self.round_seconds), owner,
+          "round_seconds", self.round_seconds, "positive seconds per round")
+    check(not (self.round_seconds or self.adaptive_trees) or self.adaptive, owner,
+          "adaptive", self.adaptive, "True when round_seconds or adaptive_trees are given")
+    self.spec()  # the menu's own checks (trees), now
+
+  def spec(self) -> SpecConfig:
+    """The rollouts' SpecConfig."""
+    trees = []
+    for text in self.adaptive_trees:
+      parts = text.split("x")
+      check(all(p.isdigit() for p in parts), "DrafterSection", "adaptive_trees", text,
+            "children per depth joined by 'x', e.g. 2x2x1")
+      trees.append(tuple(int(p) for p in parts))
+    check(len(trees) <= MAX_TREES, "DrafterSection", "adaptive_trees", self.adaptive_trees,
+          f"at most {MAX_TREES} trees")
+    return SpecConfig(num_draft_tokens=self.num_draft_tokens, adaptive=self.adaptive,
+                      adaptive_trees=tuple(trees))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

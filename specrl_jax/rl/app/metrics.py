@@ -121,6 +121,13 @@ def plot_run(records: Sequence[Mapping[str, Any]], directory: str | os.PathLike,
   if positions:
     panels.append(Panel("per_position_acceptance", "Acceptance rate by draft depth",
                         ((tuple(positions), "acceptance rate"),)))
+  shapes = sorted({k for r in flat for k in r if k.startswith("inloop_shape_by_width/")},
+                  key=lambda k: int(k.split("/")[1]))
+  if shapes:
+    # The in-loop controller's choice at each width of slot compaction (widest first).
+    panels.append(Panel("inloop_shape_by_width",
+                        "Draft shape run most per width (in-loop controller)",
+                        ((tuple(shapes), "shape (0 plain, k chain, K+1.. trees; -1 unused)"),)))
   for panel in panels:
     shown = [(r["step"], f) for r, f in zip(records, flat)
              if not (panel.steady and r["step"] == 0 and len(records) > 1)]

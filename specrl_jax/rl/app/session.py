@@ -16,12 +16,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from specrl_jax import checkpoint
-from specrl_jax.config import ConfigError, SpecConfig
+from specrl_jax.config import ConfigError
 from specrl_jax.parallel import distributed
-from specrl_jax.rl.app import data_fingerprint, run_data, run_directory, run_plan
+from specrl_jax.rl.app import data_fingerprint, resume, run_data, run_directory, run_plan
 from specrl_jax.rl.app.drafter_registry import build_drafter
 from specrl_jax.rl.app.experiment import ExperimentConfig, to_dict
 from specrl_jax.rl.app.guards import CollapseDetector, check_step
+from specrl_jax.rl.app.inloop_setup import abstract_controller, add_controller, round_cost_table
 from specrl_jax.rl.app.meshes import check_layout, checkpoint_mesh, run_meshes
 from specrl_jax.rl.app.metrics import MetricsWriter, read_jsonl, with_rates
 from specrl_jax.rl.app.run_outputs import RunOutputs, open_run_outputs, run_summary
@@ -30,6 +31,7 @@ from specrl_jax.rl.loop import numerics
 from specrl_jax.rl.loop.async_pipeline import AsyncPipeline
 from specrl_jax.rl.loop.learner import TrainState, abstract_train_state, init_train_state
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter
+from specrl_jax.rl.loop.shape_calibration import rollout_widths
 from specrl_jax.rl.loop.sync import RLProgram, build_program, prompts_on_mesh, to_host
 from specrl_jax.rl.tasks import PromptSet, Task, make_prompt_set, step_indices
 
@@ -61,7 +63,7 @@ class Session:
     self.rollout_config = config.rl.rollout(self.task.max_response_tokens,
                                             self.text_tokenizer.eos_ids)
     self.engine = config.rl.engine
-    self.spec = SpecConfig(num_draft_tokens=config.drafter.num_draft_tokens)
+    self.spec = config.drafter.spec()
     self.timings: dict[str, float] = {}
 
   @property
@@ -165,14 +167,32 @@ class Session:
     # Host copies: the warm start may sit on one device, the mesh spans several.
     params = jax.device_get(nnx.split(models.policy)[1])
     drafter = jax.device_get(online.trainable) if online else None
-    return init_train_state(params, self.learner, mesh, rng=jax.random.key(self.config.rl.seed),
-                            with_reference=self.with_reference, drafter_params=drafter)
+    state = init_train_state(params, self.learner, mesh, rng=jax.random.key(self.config.rl.seed),
+                             with_reference=self.with_reference, drafter_params=drafter)
+    if not self.spec.adaptive:
+      return state
+    # A fresh adaptive run measures its round costs now (a resumed one restores them).
+    return add_controller(state, self.config.drafter, round_cost_table(
+        self.config.drafter, models.policy, self.drafter_for(models)[0], self.rollout_config,
+        self.rollout_mesh(mesh), prompts=self.step_prompts(0), prompt_width=self.prompt_width,
+        engine=self.engine, rng=jax.random.key(self.config.rl.seed + 1), log=self.log), mesh)
 
   def _abstract_state(self, models: Models, online: OnlineDrafter | None, mesh) -> TrainState:
-    return abstract_train_state(nnx.split(models.policy)[1], self.learner, mesh,
-                                rng=jax.random.key(self.config.rl.seed),
-                                with_reference=self.with_reference,
-                                drafter_params=online.trainable if online else None)
+    abstract = abstract_train_state(nnx.split(models.policy)[1], self.learner, mesh,
+                                    rng=jax.random.key(self.config.rl.seed),
+                                    with_reference=self.with_reference,
+                                    drafter_params=online.trainable if online else None)
+    if not self.spec.adaptive:
+      return abstract
+    widths = rollout_widths(models.policy.config, self.rollout_config, self.rollout_mesh(mesh),
+                            prompt_width=self.prompt_width, drafter=self.drafter_for(models)[0],
+                            spec=self.spec, engine=self.engine)
+    return abstract_controller(abstract, self.config.drafter, len(widths), mesh)
+
+  def rollout_mesh(self, train_mesh):
+    """The mesh rollouts decode on (async: its own; sync: the train mesh)."""
+    rollout_mesh = self.meshes()[1]
+    return train_mesh if rollout_mesh is None else rollout_mesh
 
   @property
   def with_reference(self) -> bool:
@@ -184,28 +204,16 @@ class Session:
 
   def restore_or_init(self, manager, models, online, mesh, checkpoint_mesh=None
                       ) -> tuple[TrainState, dict[str, Any] | None]:
-    """(state, in_flight): the latest finite checkpoint's state and the async batches
-    saved with it (resuming), else a fresh state and None. A checkpoint holding a NaN
-    or infinity (written before the finite-update guard existed) is deleted with a
-    warning and the one before it is tried."""
+    """(state, in_flight): the latest good checkpoint's state and the async batches
+    saved with it (resuming, ``rl.app.resume``), else a fresh state and None."""
     checkpoint_mesh = mesh if checkpoint_mesh is None else checkpoint_mesh
-    if not (self.config.output.resume and manager.all_steps()):
+    restored = None
+    if self.config.output.resume and manager.all_steps():
+      restored = resume.restore_latest(
+          manager, self._abstract_state(models, online, checkpoint_mesh), log=self.log)
+    if restored is None:
       return self.initial_state(models, online, mesh), None
-    abstract = self._abstract_state(models, online, checkpoint_mesh)
-    first_bad = jax.jit(numerics.first_nonfinite_leaf)
-    for step in reversed(manager.all_steps()):
-      restored = self.restore_step(manager, abstract, step)
-      if restored is None:
-        continue
-      state, in_flight = restored
-      bad = int(distributed.fetch(first_bad(state)))
-      if bad < 0:
-        break
-      self.log(f"warning: checkpoint step {step} holds a non-finite "
-               f"{numerics.leaf_name(state, bad)}: deleted, trying the one before")
-      manager.delete(step)
-    else:
-      return self.initial_state(models, online, mesh), None
+    state, in_flight, step = restored
     if checkpoint_mesh is not mesh:
       state = distributed.transfer(state, jax.tree.map(
           lambda leaf: leaf.sharding, self._abstract_state(models, online, mesh)))
@@ -215,29 +223,6 @@ class Session:
                "older version): they are generated anew from its weights, so this run "
                "departs from an uninterrupted one")
     return state, in_flight
-
-  def restore_step(self, manager, abstract, step: int):
-    """(state, in_flight) of checkpoint ``step``; None when its files are damaged (it
-    is set aside with a warning, so the one before is tried). Raises ConfigError for
-    a checkpoint that does not fit this configuration's train state."""
-    try:
-      return manager.restore_with_in_flight(abstract, step=step)
-    except Exception as error:  # orbax raises whatever its reader hit
-      failure = f"{type(error).__name__}: {str(error)[:300]}"
-      try:
-        mismatch = manager.layout_mismatch(abstract, step)
-      except checkpoint.CheckpointDamagedError as damage:
-        mismatch, failure = None, str(damage)
-      if mismatch is not None:
-        raise ConfigError(
-            f"checkpoint step {step} in {manager.directory} does not fit this "
-            f"configuration's train state ({mismatch}; {failure}); resume with the "
-            "configuration that wrote it, or --output.resume=false.") from error
-    moved = manager.set_aside(step)
-    self.log(f"warning: checkpoint step {step} in {manager.directory} is damaged (its "
-             f"arrays fit this configuration but cannot be read back: {failure[:200]}): "
-             f"moved to {moved}, resuming from the checkpoint before it")
-    return None
 
   # ------------------------------------------------------------ training
 

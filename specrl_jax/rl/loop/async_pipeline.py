@@ -49,10 +49,12 @@ from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 from specrl_jax.rl.loop.rollout import (
     RolloutConfig, Trajectories, make_rollout, rollout_drafter_params, rollout_metrics,
 )
+from specrl_jax.rl.loop.shape_control import check_controller
 from specrl_jax.rl.loop.sync import to_host
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.sharded import rollout_shardings
+from specrl_jax.speculative.inloop import InLoopState
 from specrl_jax.speculative.drafters.base import Drafter
 
 
@@ -88,13 +90,24 @@ class StepRecord:
 _REST = ("rewards_R", "lengths_R", "counters", "exhausted", "policy_version")
 
 
+def _rest(trajectories: Trajectories) -> dict[str, Any]:
+  """The fields beside the rows that travel to the train mesh (the in-loop controller's
+  state when rollouts carry one)."""
+  rest = {name: getattr(trajectories, name) for name in _REST}
+  if trajectories.controller is not None:
+    rest["controller"] = trajectories.controller
+  return rest
+
+
 def _host_batch(batch: int, trajectories: Trajectories) -> dict[str, Any]:
   """One in-flight batch as numpy data (Batch fields left None are left out)."""
   rows = {field.name: getattr(trajectories.batch, field.name)
           for field in dataclasses.fields(Batch)
           if getattr(trajectories.batch, field.name) is not None}
-  return {"batch": np.asarray(batch, np.int64), "rows": rows,
-          **{name: getattr(trajectories, name) for name in _REST}}
+  rest = _rest(trajectories)
+  if "controller" in rest:  # as a plain dict: checkpoints restore host data as dicts
+    rest["controller"] = dataclasses.asdict(rest["controller"])
+  return {"batch": np.asarray(batch, np.int64), "rows": rows, **rest}
 
 
 @dataclasses.dataclass
@@ -129,6 +142,7 @@ class AsyncPipeline:
                         "async RL needs disjoint device sets.")
     if online is not None:
       drafter = online.drafter
+    check_controller(state, spec)
     self.max_policy_lag = max_policy_lag
     self.rollout_mesh, self.train_mesh = rollout_mesh, train_mesh
     self.online, self.drafter = online, drafter
@@ -174,12 +188,21 @@ class AsyncPipeline:
     params = state.compute_params()
     return distributed.transfer((params, drafter), self._rollout_layout(params, drafter))
 
+  def push_controller(self, state: TrainState) -> InLoopState | None:
+    """The in-loop controller's state on the rollout mesh (None without one): what
+    the updates so far measured reaches the next rollout with the weights."""
+    if state.controller is None:
+      return None
+    replicated = NamedSharding(self.rollout_mesh, P())
+    return distributed.transfer(state.controller, jax.tree.map(
+        lambda _: replicated, state.controller))
+
   def _rollout_layout(self, params, drafter_params):
     layout, drafter_layout, _ = rollout_shardings(params, drafter_params, self.rollout_mesh)
     return layout, drafter_layout
 
   def _to_train_mesh(self, trajectories: Trajectories) -> Trajectories:
-    parts = (trajectories.batch, {name: getattr(trajectories, name) for name in _REST})
+    parts = (trajectories.batch, _rest(trajectories))
     batch, moved = distributed.transfer(parts, self._train_layout(parts))
     return trajectories.replace(batch=batch, **moved)
 
@@ -214,7 +237,10 @@ class AsyncPipeline:
                          f"{first_update} expects batch {first_update + index}.")
       if batch >= end:
         break
-      parts = (Batch(**host["rows"]), {name: host[name] for name in _REST})
+      rest = {name: host[name] for name in _REST}
+      if "controller" in host:
+        rest["controller"] = InLoopState(**host["controller"])
+      parts = (Batch(**host["rows"]), rest)
       # Each process supplies its own devices' slices of the host copy it holds.
       rows, rest = jax.tree.map(
           lambda x, sharding: jax.make_array_from_callback(
@@ -245,7 +271,7 @@ class AsyncPipeline:
           "an integer >= 0")
     end = first_update + num_updates
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
-    pushed, pushed_version = self.push_weights(state), first_update
+    pushed, pushed_version = self.push_weights(state) + (self.push_controller(state),), first_update
     self._in_flight = started_batches = collections.deque(
         [] if in_flight is None else self._restore(in_flight, first_update, end, pool))
     next_batch = first_update + len(started_batches)
@@ -260,7 +286,7 @@ class AsyncPipeline:
           prompts = jax.device_put(prompts_of(next_batch), self._rollout_rows)
           started = time.perf_counter()
           trajectories = self._rollout(pushed[0], pushed[1], prompts, rng_of(next_batch),
-                                       pushed_version)
+                                       pushed_version, pushed[2])
           started_batches.append(_Started(next_batch, pushed_version, started, trajectories,
                                           _when_ready(pool, trajectories)))
           next_batch += 1
@@ -274,9 +300,12 @@ class AsyncPipeline:
         rollout_stats = rollout_metrics(trajectories, self.max_new_tokens)
         train_started = time.perf_counter()
         state, metrics = self._train(state, trajectories)
+        if trajectories.controller is not None:
+          state = state.replace(controller=trajectories.controller)
         train_ready = _when_ready(pool, (state.params, metrics))
         push_started = time.perf_counter()
-        pushed, pushed_version = self.push_weights(state), update + 1
+        pushed = self.push_weights(state) + (self.push_controller(state),)
+        pushed_version = update + 1
         push_ready = _when_ready(pool, pushed)
 
         # Read on every process, wherever the train mesh lives.

@@ -26,6 +26,7 @@ from specrl_jax.parallel.mesh import BATCH_AXES, data_parallel_size
 from specrl_jax.rl.loop.policy_loss import check_warp
 from specrl_jax.rl.loop.train_state import Batch
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter
+from specrl_jax.rl.loop.shape_control import controller_metrics, step_counters
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.compaction import stage_widths
@@ -33,6 +34,8 @@ from specrl_jax.sampling.layout import padded_width
 from specrl_jax.sampling.plan import plan_rollout
 from specrl_jax.sampling.rollout import rollout as engine_rollout
 from specrl_jax.speculative.drafters.base import Drafter
+from specrl_jax.speculative.inloop import InLoopState, fade, merge_shards
+from specrl_jax.speculative.inloop_rollout import in_loop_hook, in_loop_rollout
 from specrl_jax.speculative.rollout import acceptance_length, rounds_of, speculation
 
 Array = jax.Array
@@ -51,7 +54,9 @@ class Trajectories:
     tokens_by_width [stages] (tokens generated at each width),
     tail_rounds (rounds with at most half the slots live) (all summed over rollout
     shards); exhausted: any shard's KV page pool ran out;
-  policy_version: the number of updates of the weights that generated it.
+  policy_version: the number of updates of the weights that generated it;
+  controller: with the in-loop adaptive controller (``SpecConfig(adaptive=True)``), its
+    state after this rollout (``speculative.inloop.InLoopState``), else None.
   """
   batch: Batch
   rewards_R: Array
@@ -59,6 +64,7 @@ class Trajectories:
   counters: dict[str, Array]
   exhausted: Array
   policy_version: Array
+  controller: InLoopState | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,34 +115,34 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                  drafter: Drafter | None = None, spec: SpecConfig | None = None,
                  engine: EngineConfig = EngineConfig()):
   """The sharded, traceable rollout:
-  ``(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories``."""
+  ``(params, drafter_params, prompts: PromptBatch, rng, version, controller=None)
+  -> Trajectories``. With ``spec.adaptive`` the draft shape is chosen per round inside
+  the loop (``speculative.inloop``): ``controller`` is then the carried InLoopState
+  (required) and ``Trajectories.controller`` the one to carry to the next rollout."""
   sampling = rollout_config.sampling
   group = rollout_config.group_size
-  shards = data_parallel_size(mesh)
-  check(rollout_config.prompts_per_step % shards == 0, "RolloutConfig", "prompts_per_step",
-        rollout_config.prompts_per_step,
-        f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
-        "groups)")
-  local_prompts = rollout_config.prompts_per_step // shards
-  width = padded_width(prompt_width, engine)
-  # One request per sample: with EngineConfig(num_slots=0), a slot per sample.
-  rounds = rounds_of(*speculation(model_config, sampling, drafter, spec))
-  plan = plan_rollout(model_config, prompt_width=width,
-                      prompt_pages=local_prompts * -(-width // engine.page_size),
-                      num_requests=local_prompts * group, sampling=sampling, engine=engine,
-                      rounds=rounds, mesh=mesh)
+  plan, rounds, hook = shard_plan(model_config, rollout_config, mesh,
+                                  prompt_width=prompt_width, drafter=drafter, spec=spec,
+                                  engine=engine)
+  local_prompts = rollout_config.prompts_per_step // data_parallel_size(mesh)
   layout = plan.layout
   depth = rounds.topology.depth if rounds is not None else 0
   widths_W = jnp.asarray(stage_widths(layout.num_slots, layout.compaction_min_width), jnp.int32)
 
-  def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng):
+  def shard(params, drafter_params, tokens_PxT, lengths_P, targets, rng, controller):
     rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
     num_prompts = tokens_PxT.shape[0]
     prompt_of_request_R = jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), group)
     last_request_P = jnp.arange(num_prompts, dtype=jnp.int32) * group + group - 1
-    final = engine_rollout(graphdef, params, drafter_params, tokens_PxT, lengths_P,
-                           prompt_of_request_R, last_request_P, rng, sampling=sampling,
-                           layout=layout, rounds=rounds)
+    if hook is None:
+      final = engine_rollout(graphdef, params, drafter_params, tokens_PxT, lengths_P,
+                             prompt_of_request_R, last_request_P, rng, sampling=sampling,
+                             layout=layout, rounds=rounds)
+    else:
+      final, controller = in_loop_rollout(
+          graphdef, params, (drafter_params, controller), tokens_PxT, lengths_P,
+          prompt_of_request_R, last_request_P, rng, sampling=sampling, layout=layout,
+          hook=hook)
     request_targets = jax.tree.map(lambda t: jnp.repeat(t, group, axis=0), targets)
     tokens, mask, log_probs = build_rows(
         tokens_PxT[prompt_of_request_R], lengths_P[prompt_of_request_R], final.out_tokens_RxL,
@@ -156,34 +162,76 @@ def make_rollout(graphdef: nnx.GraphDef, model_config, task: Task,
                 "attention_fallback": jnp.int32(layout.attention_fallback is not None),
                 "accepted_per_position": final.counters.get(
                     "accepted_per_position", jnp.zeros((depth,), jnp.int32))}
-    per_shard = jax.tree.map(lambda x: x[None], (counters, final.pool.exhausted))
+    per_shard = jax.tree.map(lambda x: x[None], (counters, final.pool.exhausted, controller))
     return (tokens, mask, log_probs, final.out_lengths_R,
             (request_targets, final.out_tokens_RxL), per_shard)
 
   rows = plan.rows
   # Each (data, fsdp) shard runs its own engine, with the weights (heads, MLP columns)
   # and the KV pages' heads split over its "tensor" group (``RolloutPlan.per_shard``).
-  sharded = plan.per_shard(shard, in_specs=(P(), P(), rows, rows, rows, P()),
+  sharded = plan.per_shard(shard, in_specs=(P(), P(), rows, rows, rows, P(), P()),
                            out_specs=(rows,) * 6)
   score = reward_program(task, mesh, local_prompts * group)
 
-  def rollout(params, drafter_params, prompts: PromptBatch, rng, version) -> Trajectories:
+  def rollout(params, drafter_params, prompts: PromptBatch, rng, version,
+              controller: InLoopState | None = None) -> Trajectories:
+    if (hook is None) != (controller is None):
+      raise ValueError(
+          "the rollout's controller: pass the carried InLoopState exactly when the spec is "
+          f"adaptive (spec.adaptive={spec is not None and spec.adaptive}, controller "
+          f"{'given' if controller is not None else 'None'}).")
+    if hook is not None and controller.cost_SxW.shape != (len(hook.config.shapes),
+                                                         len(hook.widths)):
+      raise ValueError(f"controller.cost_SxW is shaped {controller.cost_SxW.shape}: expected "
+                       f"{len(hook.config.shapes)} shapes {hook.config.labels} x "
+                       f"{len(hook.widths)} widths {hook.widths}.")
     # Gathered over fsdp here, once: left to the partitioner, the gathers of weights
     # sharded over fsdp (a batch axis of the rollout) can sink into the decode loop, whose
     # trip count differs between batch shards, and its collectives then deadlock.
     params, drafter_params = jax.lax.with_sharding_constraint(
         (params, drafter_params), plan.shardings(params, drafter_params)[:2])
-    tokens, mask, log_probs, lengths_R, (targets, response_RxL), (counters, exhausted) = (
+    tokens, mask, log_probs, lengths_R, (targets, response_RxL), per_shard = (
         sharded(params, drafter_params, prompts.tokens_PxT, prompts.lengths_P,
-                dict(prompts.targets), rng))
+                dict(prompts.targets), rng, controller))
+    counters, exhausted, after = per_shard
     rewards_R = score(targets, response_RxL, lengths_R)
     batch = Batch(tokens=tokens, response_mask=mask, rollout_logprobs=log_probs)
+    counters = jax.tree.map(lambda x: jnp.sum(x, axis=0), counters)
+    if hook is not None:
+      after = merge_shards(controller, after)
+      counters.update(step_counters(controller, after))
+      after = fade(hook.config, controller, after)
     return Trajectories(batch=batch, rewards_R=rewards_R, lengths_R=lengths_R,
-                        counters=jax.tree.map(lambda x: jnp.sum(x, axis=0), counters),
-                        exhausted=jnp.any(exhausted),
-                        policy_version=jnp.asarray(version, jnp.int32))
+                        counters=counters, exhausted=jnp.any(exhausted),
+                        policy_version=jnp.asarray(version, jnp.int32),
+                        controller=after if hook is not None else None)
 
   return rollout
+
+
+def shard_plan(model_config, rollout_config: RolloutConfig, mesh: Mesh, *, prompt_width: int,
+               drafter: Drafter | None, spec: SpecConfig | None, engine: EngineConfig):
+  """(plan, round hook of a fixed shape or None, in-loop hook or None) of each batch
+  shard's engine: one request per sample (with EngineConfig(num_slots=0) a slot per
+  sample), whole groups per shard."""
+  shards = data_parallel_size(mesh)
+  check(rollout_config.prompts_per_step % shards == 0, "RolloutConfig", "prompts_per_step",
+        rollout_config.prompts_per_step,
+        f"a multiple of the rollout mesh's data*fsdp size {shards} (each shard decodes whole "
+        "groups)")
+  local_prompts = rollout_config.prompts_per_step // shards
+  width = padded_width(prompt_width, engine)
+  sampling = rollout_config.sampling
+  rounds = rounds_of(*speculation(model_config, sampling, drafter, spec))
+  plan = plan_rollout(model_config, prompt_width=width,
+                      prompt_pages=local_prompts * -(-width // engine.page_size),
+                      num_requests=local_prompts * rollout_config.group_size,
+                      sampling=sampling, engine=engine, rounds=rounds, mesh=mesh)
+  layout = plan.layout
+  hook = None if rounds is None else in_loop_hook(
+      rounds.drafter, spec, rounds.draft_mode,
+      stage_widths(layout.num_slots, layout.compaction_min_width))
+  return plan, rounds, hook
 
 
 def reward_program(task: Task, mesh: Mesh, rows_per_shard: int
@@ -234,6 +282,8 @@ def rollout_metrics(trajectories: Trajectories, max_new_tokens: int) -> dict[str
       # The kernel that failed to compile is named in the warning it raised.
       "attention_fallback": counters["attention_fallback"] > 0,
       "policy_version": trajectories.policy_version,
+      **({} if trajectories.controller is None
+         else controller_metrics(trajectories.controller, counters)),
   }
 
 

@@ -39,6 +39,7 @@ from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 from specrl_jax.rl.loop.rollout import (
     RolloutConfig, make_rollout, rollout_drafter_params, rollout_metrics,
 )
+from specrl_jax.rl.loop.shape_control import check_controller
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.drafters.base import Drafter
@@ -81,7 +82,7 @@ class RLProgram:
     """The rollout alone, jitted: ``(state, prompts, rng) -> Trajectories``."""
     return jax.jit(lambda state, prompts, rng: self.rollout(
         state.compute_params(), self.rollout_drafter_params(state), prompts, rng,
-        state.step),
+        state.step, state.controller),
         in_shardings=(self.train_step.state_shardings, self.rows, self.replicated))
 
   @functools.cached_property
@@ -122,12 +123,17 @@ def build_program(graphdef: nnx.GraphDef, model_config, task: Task, learner: Lea
   memory = rollout_memory(drafter)
   max_new = rollout_config.sampling.max_new_tokens
 
+  check_controller(state, spec)
+
   def rl_step(state: TrainState, prompts: PromptBatch, rng, bank=None):
     params = drafter_params(state)
     if memory is not None:  # this step's bank of earlier rollouts (history drafter)
       params = memory.place(params, bank)
-    trajectories = rollout(state.compute_params(), params, prompts, rng, state.step)
+    trajectories = rollout(state.compute_params(), params, prompts, rng, state.step,
+                           state.controller)
     new_state, metrics = learn(state, trajectories)
+    # The controller's measurements carry to the next step's rollout.
+    new_state = new_state.replace(controller=trajectories.controller)
     metrics = dict(metrics, **rollout_metrics(trajectories, max_new))
     if memory is None:
       return new_state, metrics

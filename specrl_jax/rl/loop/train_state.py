@@ -17,6 +17,7 @@ from specrl_jax.config import check, is_integer
 from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.rl.loop import lora, precision
 from specrl_jax.rl.loop.lora import LoRAConfig
+from specrl_jax.speculative.inloop import InLoopState
 
 Array = jax.Array
 
@@ -34,6 +35,9 @@ class TrainState:
   record the dtypes the model computes in, one per leaf, when they differ (static:
   part of the state's structure, not checkpointed data). ``compute_params()`` is what
   the loss and the rollout read.
+  controller: the in-loop draft-shape controller's carried state
+  (``speculative.inloop.InLoopState``) when rollouts choose the shape per round
+  (``SpecConfig(adaptive=True)``), so a resumed run chooses as the uninterrupted one.
   """
   step: Array
   params: Any
@@ -43,6 +47,7 @@ class TrainState:
   drafter_params: Any = None
   drafter_opt_state: Any = None
   frozen_params: Any = None
+  controller: InLoopState | None = None
   compute_dtypes: precision.Dtypes | None = flax.struct.field(pytree_node=False,
                                                                default=None)
   drafter_compute_dtypes: precision.Dtypes | None = flax.struct.field(pytree_node=False,

@@ -1,0 +1,399 @@
+"""The draft shape chosen per round inside the compiled decode loop.
+
+``ConcurrencyAwareController`` (``speculative.concurrency``) chooses between batches of
+rounds on the host; an RL step is one compiled program, so here the same decision rule
+runs traced, once per round: a small menu (plain decoding, chains of k = 1..K drafts,
+at most two trees) shares one decode state built for the longest chain, and
+``lax.switch`` runs the chosen shape's round on it. Every branch is a lossless round
+on the same state, so the output's distribution never depends on the choice.
+
+The rule is the host controller's arithmetic: a chain of k drafts emits
+1 + sum_{i<k} prod_{j<=i} a_j tokens per round from the per-position acceptance a
+(``speculative.expected.expected_tokens_per_round``; a Laplace estimate, positions never
+reached repeating the deepest one reached), a tree its measured tokens per drafting
+slot-round; each shape's expected tokens over its round's seconds at the live width is
+its rate, and a drafting shape must beat plain decoding by ``min_gain``. Round seconds
+per (shape, width) are measured (``speculative.inloop_calibration``), never modelled:
+``InLoopState.cost_SxW`` is an input array. Exploration is the host controller's: each
+shape runs once at each width before any choice, and a losing shape is re-tried at
+doubling intervals (the one that ran longest ago), so an online drafter that improves
+is noticed.
+
+``InLoopState`` is carried across RL steps (train state and checkpoints) so a resumed
+run chooses exactly as the uninterrupted one. Shape glossary: S menu shapes, W widths
+of slot compaction (widest first), K the longest chain, T trees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specrl_jax.config import MAX_TREE_NODES, SamplingParams, check, tree_nodes
+from specrl_jax.kv.paged import LayerOffset
+from specrl_jax.models.transformer import Transformer
+from specrl_jax.sampling.engine import DecodeState
+from specrl_jax.sampling.plain import plain_round
+from specrl_jax.speculative.catch_up import CHUNK
+from specrl_jax.speculative.concurrency import Shape, shape_label
+from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.round import speculative_round
+from specrl_jax.speculative.rollout import Speculation, idle_round
+from specrl_jax.speculative.topology import TreeTopology
+
+Array = jax.Array
+MAX_TREES = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InLoopConfig:
+  """The in-loop controller's settings (static: part of the compiled program).
+
+  k_max: the longest chain (the menu is plain, chains 1..k_max, then ``trees``).
+  trees: at most two trees (children per depth), each no deeper than k_max.
+  min_gain: a drafting shape must beat plain decoding's rate by this factor.
+  explore_every: rounds at a width between re-tries of a losing shape at first; the
+    interval doubles after each re-try while the same shape keeps winning.
+  smoothing: at the end of each rollout, the weight of that rollout's acceptance counts
+    among the carried ones (older rollouts fade, as the drafter and policy change).
+  """
+  k_max: int
+  trees: tuple[tuple[int, ...], ...] = ()
+  min_gain: float = 1.03
+  explore_every: int = 16
+  smoothing: float = 0.5
+
+  def __post_init__(self):
+    owner = "InLoopConfig"
+    check(isinstance(self.k_max, int) and self.k_max >= 1, owner, "k_max", self.k_max,
+          "an integer >= 1")
+    check(isinstance(self.trees, tuple) and len(self.trees) <= MAX_TREES, owner, "trees",
+          self.trees, f"a tuple of at most {MAX_TREES} trees, e.g. ((2, 2, 1),)")
+    for tree in self.trees:
+      check(isinstance(tree, tuple) and len(tree) > 0
+            and all(isinstance(b, int) and b >= 1 for b in tree), owner, "trees", tree,
+            "a tuple of positive children counts per depth, e.g. (2, 2, 1)")
+      check(len(tree) <= self.k_max, owner, "trees", tree,
+            f"a depth of at most k_max={self.k_max} (the state is built for the longest chain)")
+      check(any(b > 1 for b in tree), owner, "trees", tree,
+            "a tree that branches somewhere (a chain is already in the menu as its length)")
+      check(tree_nodes(tree) <= MAX_TREE_NODES, owner, "trees", tree,
+            f"at most {MAX_TREE_NODES} draft nodes")
+    check(len(set(self.trees)) == len(self.trees), owner, "trees", self.trees,
+          "distinct trees")
+    check(self.min_gain >= 1.0, owner, "min_gain", self.min_gain, "a number >= 1")
+    check(isinstance(self.explore_every, int) and self.explore_every >= 1, owner,
+          "explore_every", self.explore_every, "an integer >= 1")
+    check(0 < self.smoothing <= 1, owner, "smoothing", self.smoothing, "in (0, 1]")
+
+  @property
+  def shapes(self) -> tuple[Shape, ...]:
+    """The menu: 0 (plain), 1..k_max (chains), then the trees."""
+    return tuple(range(self.k_max + 1)) + self.trees
+
+  @property
+  def labels(self) -> tuple[str, ...]:
+    return tuple(shape_label(s) for s in self.shapes)
+
+  def exploration_order(self) -> np.ndarray:
+    """Which untried shape runs first: the longest chain (it measures every
+    position's acceptance), the trees, plain decoding, then the shorter chains."""
+    k, trees = self.k_max, len(self.trees)
+    return np.array([k] + [k + 1 + t for t in range(trees)] + [0] + list(range(1, k)),
+                    np.int32)
+
+
+@flax.struct.dataclass
+class InLoopState:
+  """What the in-loop controller has measured and decided (device arrays).
+
+  accepted_Z / reached_Z: faded counts, per chain position, of accepted drafts and of
+    drafts reached (position i is reached by the rounds that accepted i - 1);
+  tree_accepted_T / tree_drafted_T: per tree, faded accepted drafts and drafting
+    slot-rounds (one unused entry when the menu has no tree); cost_SxW: measured seconds per round of each shape at each width;
+  rounds_SxW: rounds each shape ran at each width, over the run; probes_W: of those,
+    the exploration rounds; last_SxW: the round clock when the shape last ran there
+    (-1: never); since_probe_W / interval_W / best_W: the re-try schedule of each
+    width and the shape that won there last; clock: rounds decided so far;
+  force: >= 0 runs that shape every round (calibration), -1 chooses.
+  """
+  accepted_Z: Array
+  reached_Z: Array
+  tree_accepted_T: Array
+  tree_drafted_T: Array
+  cost_SxW: Array
+  rounds_SxW: Array
+  probes_W: Array
+  last_SxW: Array
+  since_probe_W: Array
+  interval_W: Array
+  best_W: Array
+  clock: Array
+  force: Array
+
+  @classmethod
+  def initial(cls, config: InLoopConfig, cost_SxW) -> "InLoopState":
+    cost_SxW = np.asarray(cost_SxW, np.float32)
+    shapes = len(config.shapes)
+    check(cost_SxW.ndim == 2 and cost_SxW.shape[0] == shapes, "InLoopState", "cost_SxW",
+          cost_SxW.shape, f"seconds per round shaped [{shapes} shapes, widths]")
+    check(bool(np.all(np.isfinite(cost_SxW)) and np.all(cost_SxW > 0)), "InLoopState",
+          "cost_SxW", cost_SxW.tolist(), "finite positive seconds per round")
+    widths = cost_SxW.shape[1]
+    # One tree slot even without trees: checkpoints cannot hold zero-size arrays.
+    k, trees = config.k_max, max(len(config.trees), 1)
+    # A fresh array per field: a train state donated to its step may not hold one buffer
+    # twice.
+    zeros_W = lambda: jnp.zeros((widths,), jnp.int32)
+    return cls(accepted_Z=jnp.zeros((k,), jnp.float32), reached_Z=jnp.zeros((k,), jnp.float32),
+               tree_accepted_T=jnp.zeros((trees,), jnp.float32),
+               tree_drafted_T=jnp.zeros((trees,), jnp.float32),
+               cost_SxW=jnp.asarray(cost_SxW), rounds_SxW=jnp.zeros((shapes, widths), jnp.int32),
+               probes_W=zeros_W(), last_SxW=jnp.full((shapes, widths), -1, jnp.int32),
+               since_probe_W=zeros_W(), interval_W=zeros_W() + config.explore_every,
+               best_W=zeros_W(), clock=jnp.int32(0), force=jnp.int32(-1))
+
+
+def acceptance_rates(accepted_Z: Array, reached_Z: Array) -> Array:
+  """Per-position conditional acceptance (Laplace); unreached positions repeat the
+  deepest reached one (``DraftLengthController.acceptance``)."""
+  rates = (accepted_Z + 1) / (reached_Z + 2)
+  out = [rates[0]]
+  for i in range(1, rates.shape[0]):
+    out.append(jnp.where(reached_Z[i] > 0, rates[i], out[-1]))
+  return jnp.stack(out)
+
+
+def expected_tokens_S(config: InLoopConfig, state: InLoopState) -> Array:
+  """Expected tokens per round of every shape: chains from the per-position rates, a
+  tree from its measured tokens per drafting slot-round (before it has run, as a chain
+  of its depth)."""
+  rates_Z = acceptance_rates(state.accepted_Z, state.reached_Z)
+  chains_K = 1.0 + jnp.cumsum(jnp.cumprod(rates_Z))
+  trees = [jnp.where(state.tree_drafted_T[t] > 0,
+                     1.0 + state.tree_accepted_T[t] / jnp.maximum(state.tree_drafted_T[t], 1e-9),
+                     chains_K[len(tree) - 1]) for t, tree in enumerate(config.trees)]
+  return jnp.concatenate([jnp.ones((1,)), chains_K, jnp.asarray(trees, jnp.float32).reshape(-1)])
+
+
+def best_shape(config: InLoopConfig, state: InLoopState, width: int) -> Array:
+  """The shape with the highest expected tokens per second at width index ``width``
+  (plain decoding's rate counted ``min_gain`` times: drafting must beat it by that)."""
+  rate_S = expected_tokens_S(config, state) / state.cost_SxW[:, width]
+  rate_S = rate_S.at[0].multiply(config.min_gain)
+  return jnp.argmax(rate_S).astype(jnp.int32)
+
+
+def choose(config: InLoopConfig, state: InLoopState, width: int
+           ) -> tuple[Array, Array, InLoopState]:
+  """(shape index, whether it explores, the state with the re-try schedule advanced)
+  for the next round at width index ``width`` (static)."""
+  order = jnp.asarray(config.exploration_order())
+  untried_S = state.rounds_SxW[:, width] == 0
+  any_untried = jnp.any(untried_S)
+  first_untried = order[jnp.argmax(untried_S[order])]
+  best = best_shape(config, state, width)
+  changed = best != state.best_W[width]
+  interval = jnp.where(changed, config.explore_every, state.interval_W[width])
+  since = jnp.where(changed, 0, state.since_probe_W[width]) + 1
+  retry = ~any_untried & (since >= interval)
+  # The losing shape that ran longest ago at this width.
+  last_S = state.last_SxW[:, width].at[best].set(jnp.iinfo(jnp.int32).max)
+  stale = jnp.argmin(last_S).astype(jnp.int32)
+  shape = jnp.where(any_untried, first_untried, jnp.where(retry, stale, best))
+  forced = state.force >= 0
+  shape = jnp.where(forced, state.force, shape).astype(jnp.int32)
+  explores = (any_untried | retry) & ~forced
+  state = state.replace(
+      best_W=jnp.where(any_untried | forced, state.best_W, state.best_W.at[width].set(best)),
+      since_probe_W=state.since_probe_W.at[width].set(
+          jnp.where(any_untried | forced, state.since_probe_W[width], jnp.where(retry, 0, since))),
+      interval_W=state.interval_W.at[width].set(
+          jnp.where(any_untried | forced, state.interval_W[width],
+                    jnp.where(retry, 2 * interval, interval))))
+  return shape, explores, state
+
+
+def observe(config: InLoopConfig, state: InLoopState, width: int, shape: Array,
+            explores: Array, accepted_Z: Array, drafting_slots: Array) -> InLoopState:
+  """After a round of ``shape`` at width index ``width``: ``accepted_Z`` accepted
+  drafts per position (summed over slots) of ``drafting_slots`` slot-rounds."""
+  k = config.k_max
+  depth_S = np.array([min(s, k) if not isinstance(s, tuple) else len(s)
+                      for s in config.shapes])
+  position_Z = jnp.arange(k)
+  is_chain = (shape >= 1) & (shape <= k)
+  # A chain of depth d reaches position 0 in every drafting slot-round, position i in
+  # those that accepted i - 1 (``DraftLengthController.observe``).
+  reached_Z = jnp.concatenate([drafting_slots[None].astype(jnp.float32),
+                               accepted_Z[:-1].astype(jnp.float32)])
+  in_chain_Z = is_chain & (position_Z < jnp.asarray(depth_S)[shape])
+  slots_T = jnp.arange(state.tree_drafted_T.shape[0])
+  tree_T = (slots_T + k + 1 == shape) & (slots_T < len(config.trees))
+  drafted = drafting_slots.astype(jnp.float32)
+  return state.replace(
+      accepted_Z=state.accepted_Z + jnp.where(in_chain_Z, accepted_Z, 0),
+      reached_Z=state.reached_Z + jnp.where(in_chain_Z, reached_Z, 0),
+      tree_accepted_T=state.tree_accepted_T + jnp.where(tree_T, jnp.sum(accepted_Z), 0),
+      tree_drafted_T=state.tree_drafted_T + jnp.where(tree_T, drafted, 0),
+      rounds_SxW=state.rounds_SxW.at[shape, width].add(1),
+      probes_W=state.probes_W.at[width].add(explores.astype(jnp.int32)),
+      last_SxW=state.last_SxW.at[shape, width].set(state.clock),
+      clock=state.clock + 1)
+
+
+def fade(config: InLoopConfig, before: InLoopState, after: InLoopState) -> InLoopState:
+  """The state a rollout hands to the next: its acceptance counts added to the
+  carried ones, which fade by ``smoothing`` first."""
+  keep = 1.0 - config.smoothing
+  faded = lambda name: keep * getattr(before, name) + (getattr(after, name)
+                                                       - getattr(before, name))
+  return after.replace(**{name: faded(name) for name in
+                          ("accepted_Z", "reached_Z", "tree_accepted_T", "tree_drafted_T")})
+
+
+def merge_shards(before: InLoopState, per_shard: InLoopState) -> InLoopState:
+  """One state from batch shards that each ran their own controller from ``before``
+  (leading shard axis): counts summed, the re-try schedule of shard 0 kept."""
+  summed = ("accepted_Z", "reached_Z", "tree_accepted_T", "tree_drafted_T", "rounds_SxW",
+            "probes_W", "clock")
+  first = jax.tree.map(lambda x: x[0], per_shard)
+  return first.replace(**{name: getattr(before, name)
+                          + jnp.sum(getattr(per_shard, name) - getattr(before, name)[None],
+                                    axis=0) for name in summed})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InLoopSpeculation:
+  """The engine's round hook that picks the shape per round (``sampling.rollout``).
+
+  Its traced params are ``(drafter params, InLoopState)``; the controller state rides
+  in the decode state beside the drafter's (``DecodeState.drafter = (drafter state,
+  InLoopState)``), so it survives the stages of slot compaction. widths: the stage
+  widths of the layout (the width index of a round is its program's slot count).
+  """
+  drafter: Drafter
+  config: InLoopConfig
+  draft_mode: str
+  widths: tuple[int, ...]
+
+  @property
+  def longest(self) -> Speculation:
+    return Speculation(drafter=self.drafter, topology=TreeTopology((1,) * self.config.k_max),
+                       draft_mode=self.draft_mode, max_pending=self.config.k_max + 1)
+
+  @property
+  def hidden_layers(self) -> tuple[int, ...]:
+    return self.drafter.hidden_layers
+
+  def params(self) -> Any:
+    # No default: a controller without measured round costs would choose on made-up ones.
+    raise ValueError("InLoopSpeculation has no default hook_params: pass "
+                     "hook_params=(drafter params, InLoopState) with measured round costs.")
+
+  def kv_layers(self) -> tuple:
+    return self.drafter.kv_layers()
+
+  def init_state(self, num_slots: int, counters: dict) -> tuple[Any, dict]:
+    drafter_state, counters = self.longest.init_state(num_slots, counters)
+    # A placeholder of the right shapes: ``prefill`` puts in the carried state.
+    cost = np.ones((len(self.config.shapes), len(self.widths)), np.float32)
+    return (drafter_state, InLoopState.initial(self.config, cost)), counters
+
+  def prefill(self, params, state: DecodeState, prefill_kv, num_layers: int, tokens_UxT,
+              lengths_U, target_output) -> tuple[DecodeState, Any]:
+    drafter_params, controller = params
+    inner, prefill_kv = self.longest.prefill(
+        drafter_params, state.replace(drafter=state.drafter[0]), prefill_kv, num_layers,
+        tokens_UxT, lengths_U, target_output)
+    return state.replace(drafter=(inner.drafter, controller)), prefill_kv
+
+  def compact_state(self, hook_state, slots_W):
+    drafter_state, controller = hook_state
+    return self.drafter.compact_state(drafter_state, slots_W), controller
+
+  def loop(self, model: Transformer, params, state: DecodeState, sampling: SamplingParams):
+    drafter_params = params[0]
+    width = self.widths.index(state.num_slots)
+    branches = [self._branch(model, drafter_params, shape, sampling)
+                for shape in self.config.shapes]
+    config = self.config
+
+    def round_fn(s: DecodeState) -> DecodeState:
+      drafter_state, controller = s.drafter
+      shape, explores, controller = choose(config, controller, width)
+      before = s.counters
+      s = jax.lax.switch(shape, branches, s.replace(drafter=drafter_state))
+      accepted_Z = s.counters["accepted_per_position"] - before["accepted_per_position"]
+      drafting = s.counters["draft_rounds"] - before["draft_rounds"]
+      controller = observe(config, controller, width, shape, explores, accepted_Z, drafting)
+      return s.replace(drafter=(s.drafter, controller))
+
+    def on_admit(s, admit_N, prompt_N, prompts):
+      drafter_state, controller = s.drafter
+      drafter_state = self.drafter.on_admit(drafter_params, drafter_state, admit_N,
+                                            prompts.lengths_U[prompt_N])
+      return s.replace(drafter=(drafter_state, controller))
+
+    return state, round_fn, on_admit
+
+  def _branch(self, model: Transformer, drafter_params, shape: Shape,
+              sampling: SamplingParams):
+    """The round of one menu shape on a state whose ``drafter`` is the drafter's own."""
+    drafter, pending = self.drafter, self.config.k_max + 1
+    topology = TreeTopology(shape if isinstance(shape, tuple) else (1,) * shape)
+    if topology.depth == 0 and drafter.stateless:
+      return lambda s: plain_round(model, s, sampling)
+    if topology.depth == 0 and drafter.catches_up:
+      return lambda s: idle_round(model, drafter, drafter_params, s, sampling)
+
+    def round_fn(s: DecodeState) -> DecodeState:
+      if drafter.catches_up:
+        s = catch_up_beyond(drafter, drafter_params, s, model.config.num_layers, pending)
+      return speculative_round(model, drafter, drafter_params, s, sampling, topology,
+                               self.draft_mode, pending)
+    return round_fn
+
+  def stats(self, final: DecodeState, *, placement: str | None = None,
+            shards: int | None = None) -> dict[str, Any]:
+    inner = final.replace(drafter=final.drafter[0])
+    stats = self.longest.stats(inner, placement=placement, shards=shards)
+    controller = final.drafter[1]
+    if shards is None:
+      stats["draft_schedule_by_width"] = schedule_by_width(self.config, self.widths,
+                                                           controller.rounds_SxW)
+      stats["controller"] = controller
+    return stats
+
+
+def catch_up_beyond(drafter: Drafter, drafter_params, state: DecodeState, num_layers: int,
+                    max_pending: int) -> DecodeState:
+  """Feeds an idle drafter (after plain rounds) until every slot has at most
+  ``max_pending`` tokens to feed, which the next ``start`` takes: after drafting
+  rounds nothing is fed here (``catch_up.catch_up_drafter`` feeds all but one)."""
+
+  def behind(s: DecodeState):
+    inputs = RoundInputs.of(s)
+    return jnp.any(drafter.unseen_tokens(s.drafter, inputs) + inputs.active_N > max_pending)
+
+  def step(s: DecodeState) -> DecodeState:
+    view = LayerOffset(inner=s.kv, offset=num_layers)
+    drafter_state, view = drafter.catch_up(drafter_params, s.drafter, view,
+                                           RoundInputs.of(s), CHUNK)
+    return s.replace(drafter=drafter_state,
+                     kv=s.kv.replace(k_pages=view.inner.k_pages, v_pages=view.inner.v_pages))
+
+  return jax.lax.while_loop(behind, step, state)
+
+
+def schedule_by_width(config: InLoopConfig, widths: tuple[int, ...], rounds_SxW
+                      ) -> dict[int, dict[str, int]]:
+  """Rounds per width and shape label (host numbers), widest first."""
+  rounds_SxW = np.asarray(rounds_SxW)
+  return {int(w): {label: int(rounds_SxW[s, i]) for s, label in enumerate(config.labels)
+                   if rounds_SxW[s, i]} for i, w in enumerate(widths)}
