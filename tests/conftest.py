@@ -1,25 +1,17 @@
-"""Test-wide JAX setup: eight simulated CPU devices for the sharding tests, and one
-persistent compilation cache for the whole run.
+"""Test-wide JAX setup: eight simulated CPU devices for the sharding tests, and the
+tiny models many engine tests share.
 
 Must run before JAX initialises a backend, hence environment variables at import.
 """
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Many test files build the same tiny models and compile the same programs, and every
-# module's in-memory programs are dropped when it ends (below): a folder cache shared by
-# the whole run (both xdist workers, which inherit this environment, and the `specrl`
-# subprocesses tests start) compiles each program once. The process that makes the
-# folder removes it at the end. JAX_COMPILATION_CACHE_DIR="" turns it off.
-_SUITE_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _SUITE_CACHE = tempfile.mkdtemp(prefix="specrl-tests-jax-cache-")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _SUITE_CACHE
-  # Tiny programs compile in well under JAX's default 1 s threshold.
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# No persistent compilation cache unless a test asks for one: `specrl train` would
+# otherwise open one beside each test's output directory, shared between tests. (A
+# suite-wide cache was tried: serializing the async pipeline's program with heads split
+# over "tensor" crashed a worker inside JAX's cache write, so it stays off.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 
 
 import jax  # noqa: E402
@@ -56,7 +48,3 @@ def _free_compiled_programs():
   yield
   jax.clear_caches()
 
-
-def pytest_unconfigure(config):
-  if _SUITE_CACHE is not None:
-    shutil.rmtree(_SUITE_CACHE, ignore_errors=True)

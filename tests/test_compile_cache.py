@@ -9,23 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax.experimental.compilation_cache import compilation_cache
-
 from specrl_jax import compile_cache
 from specrl_jax.rl.app import train_command
-
-
-@pytest.fixture(autouse=True)
-def _no_suite_cache(monkeypatch):
-  """These tests set caches up themselves: the one the suite runs with (conftest) is set
-  aside, as for a user who configured none."""
-  previous = jax.config.jax_compilation_cache_dir
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
-  jax.config.update("jax_compilation_cache_dir", None)
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_compilation_cache_dir", previous)
-  compilation_cache.reset_cache()
 
 
 def test_auto_puts_the_cache_beside_the_output_directory_and_off_turns_it_off(tmp_path):
@@ -47,7 +32,7 @@ def _hits():
 
 
 def test_programs_are_saved_to_the_cache_and_loaded_from_it(tmp_path, monkeypatch):
-  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")  # no cache configured by anyone
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")  # conftest's "no cache"
   monkeypatch.setattr(compile_cache, "MIN_COMPILE_SECONDS", 0.0)  # however fast it compiles
   folder = str(tmp_path / "cache")
   hits = _hits()
