@@ -464,7 +464,8 @@ def test_specrl_train_refuses_rows_too_long_in_one_line_before_any_work(tmp_path
   rows = [{"prompt": "what is " + "1+" * 30 + "1?", "answer": 31}] * 2
   path = _write(tmp_path / "long.jsonl", rows)
   code = cli.main(["train", "--preset=tiny", f"--dataset={path}", "--data.max_prompt_tokens=16",
-                   "--warm_start.sft_steps=0", f"--output.directory={tmp_path / 'run'}"])
+                   "--warm_start.sft_steps=0", "--drafter.kind=none",
+                   f"--output.directory={tmp_path / 'run'}"])
   err = capsys.readouterr().err
   assert code == 1 and len(err.strip().splitlines()) == 1
   assert "BadRowsError" in err and "2 of 2 rows cannot be used" in err
@@ -477,7 +478,7 @@ def test_specrl_train_refuses_a_reward_module_that_exits_at_import(tmp_path, cap
   path = _write(tmp_path / "rows.jsonl", _rows(2))
   code = cli.main(["train", "--preset=tiny", f"--dataset={path}",
                    f"--reward={tmp_path / 'r.py'}:score", "--warm_start.sft_steps=0",
-                   f"--output.directory={tmp_path / 'run'}"])
+                   "--drafter.kind=none", f"--output.directory={tmp_path / 'run'}"])
   err = capsys.readouterr().err
   assert code == 1 and len(err.strip().splitlines()) == 1
   assert f"failed to import at {tmp_path / 'r.py'} line 2: it called sys.exit(0)" in err
