@@ -57,6 +57,22 @@ def equivalent_chain_rate(tokens_per_round: float, depth: int) -> float:
   return (low + high) / 2
 
 
+def check_tree_menu(owner: str, trees: tuple, k_max: int) -> None:
+  """Refuses a menu tree that is not a tuple of positive children counts, deeper than
+  the longest chain, a chain in disguise, too large, or listed twice."""
+  for tree in trees:
+    check(isinstance(tree, tuple) and len(tree) > 0
+          and all(isinstance(b, int) and b >= 1 for b in tree), owner, "trees", tree,
+          "a tuple of positive children counts per depth, e.g. (2, 2, 1)")
+    check(len(tree) <= k_max, owner, "trees", tree,
+          f"a depth of at most k_max={k_max} (the state is built for the longest chain)")
+    check(any(b > 1 for b in tree), owner, "trees", tree,
+          "a tree that branches somewhere (a chain is already in the menu as its length)")
+    check(tree_nodes(tree) <= MAX_TREE_NODES, owner, "trees", tree,
+          f"at most {MAX_TREE_NODES} draft nodes")
+  check(len(set(trees)) == len(trees), owner, "trees", trees, "distinct trees")
+
+
 @dataclasses.dataclass
 class ConcurrencyAwareController:
   """Host-side controller: ``choose(width, ...)`` before each batch of rounds,
@@ -97,18 +113,7 @@ class ConcurrencyAwareController:
           f"equal to k_max={self.k_max}")
     check(isinstance(self.trees, tuple), owner, "trees", self.trees,
           "a tuple of trees, e.g. ((2, 2, 1), (3, 1, 1))")
-    for tree in self.trees:
-      check(isinstance(tree, tuple) and len(tree) > 0
-            and all(isinstance(b, int) and b >= 1 for b in tree), owner, "trees", tree,
-            "a tuple of positive children counts per depth, e.g. (2, 2, 1)")
-      check(len(tree) <= self.k_max, owner, "trees", tree,
-            f"a depth of at most k_max={self.k_max} (the state is built for the longest chain)")
-      check(any(b > 1 for b in tree), owner, "trees", tree,
-            "a tree that branches somewhere (a chain is already in the menu as its length)")
-      check(tree_nodes(tree) <= MAX_TREE_NODES, owner, "trees", tree,
-            f"at most {MAX_TREE_NODES} draft nodes")
-    check(len(set(self.trees)) == len(self.trees), owner, "trees", self.trees,
-          "distinct trees")
+    check_tree_menu(owner, self.trees, self.k_max)
 
   # --- what has been measured -------------------------------------------------------
 

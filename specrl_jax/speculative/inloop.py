@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specrl_jax.config import MAX_TREE_NODES, SamplingParams, check, tree_nodes
+from specrl_jax.config import SamplingParams, check
 from specrl_jax.kv.paged import LayerOffset
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.engine import DecodeState
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.speculative.catch_up import CHUNK
-from specrl_jax.speculative.concurrency import Shape, shape_label
+from specrl_jax.speculative.concurrency import Shape, check_tree_menu, shape_label
 from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
 from specrl_jax.speculative.round import speculative_round
 from specrl_jax.speculative.rollout import Speculation, idle_round
@@ -74,18 +74,7 @@ class InLoopConfig:
           "an integer >= 1")
     check(isinstance(self.trees, tuple) and len(self.trees) <= MAX_TREES, owner, "trees",
           self.trees, f"a tuple of at most {MAX_TREES} trees, e.g. ((2, 2, 1),)")
-    for tree in self.trees:
-      check(isinstance(tree, tuple) and len(tree) > 0
-            and all(isinstance(b, int) and b >= 1 for b in tree), owner, "trees", tree,
-            "a tuple of positive children counts per depth, e.g. (2, 2, 1)")
-      check(len(tree) <= self.k_max, owner, "trees", tree,
-            f"a depth of at most k_max={self.k_max} (the state is built for the longest chain)")
-      check(any(b > 1 for b in tree), owner, "trees", tree,
-            "a tree that branches somewhere (a chain is already in the menu as its length)")
-      check(tree_nodes(tree) <= MAX_TREE_NODES, owner, "trees", tree,
-            f"at most {MAX_TREE_NODES} draft nodes")
-    check(len(set(self.trees)) == len(self.trees), owner, "trees", self.trees,
-          "distinct trees")
+    check_tree_menu(owner, self.trees, self.k_max)
     check(self.min_gain >= 1.0, owner, "min_gain", self.min_gain, "a number >= 1")
     check(isinstance(self.explore_every, int) and self.explore_every >= 1, owner,
           "explore_every", self.explore_every, "an integer >= 1")

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from specrl_jax.config import ConfigError
+from specrl_jax.rl.app.run_directory import read_json
 
 LOCK = "run.lock"
 
@@ -31,15 +32,6 @@ class RunDirectoryLockedError(ConfigError):
 def _holder_record() -> dict[str, Any]:
   return {"pid": os.getpid(), "host": socket.gethostname(),
           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())}
-
-
-def _read(path: str) -> dict[str, Any] | None:
-  try:
-    with open(path) as file:
-      record = json.load(file)
-  except (OSError, ValueError):
-    return None
-  return record if isinstance(record, dict) else None
 
 
 def _alive(pid: Any) -> bool:
@@ -106,7 +98,7 @@ def acquire(directory: str, *, log: Callable[[str], None] = print) -> dict[str, 
   os.makedirs(directory, exist_ok=True)
   if _publish(path, mine, replace=False):
     return mine
-  holder = _read(path)
+  holder = read_json(path)
   here = holder is not None and holder.get("host") == mine["host"]
   if holder is None or not here or _alive(holder.get("pid")):
     raise RunDirectoryLockedError(
@@ -117,17 +109,17 @@ def acquire(directory: str, *, log: Callable[[str], None] = print) -> dict[str, 
   log(f"warning: {path} was left by a run that is gone ({_describe(holder)}): taking "
       "the lock over")
   _publish(path, mine, replace=True)
-  if _read(path) != mine:  # another run took it over at the same moment
+  if read_json(path) != mine:  # another run took it over at the same moment
     raise RunDirectoryLockedError(
         f"the run directory {directory} was just taken by another `specrl train` "
-        f"({_describe(_read(path))}): give another --output.directory")
+        f"({_describe(read_json(path))}): give another --output.directory")
   return mine
 
 
 def release(directory: str, record: dict[str, Any]) -> None:
   """Removes the lock if ``record`` still holds it."""
   path = os.path.join(directory, LOCK)
-  if _read(path) == record:
+  if read_json(path) == record:
     with contextlib.suppress(FileNotFoundError):
       os.unlink(path)
 
