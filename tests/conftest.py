@@ -3,6 +3,7 @@ tiny models many engine tests share.
 
 Must run before JAX initialises a backend, hence environment variables at import.
 """
+import gc
 import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -12,12 +13,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # suite-wide cache was tried: serializing the async pipeline's program with heads split
 # over "tensor" crashed a worker inside JAX's cache write, so it stays off.)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
+# Compiling is most of the suite's time (XLA:CPU's backend: 55 of the 66 s of
+# test_adaptive's two slowest tests). Without LLVM's optimisations and with one codegen
+# module per program (no split to run on cores the other worker uses) that pair takes
+# 37 s, and a 20,000-sample chi-square test 38 s instead of 40 (slower to run, faster to
+# compile). The subprocesses the tests start inherit the flags; benchmarks never run so.
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+    "--xla_cpu_parallel_codegen_split_count=1"]).strip()
 
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from specrl_jax import drafters, testing  # noqa: E402
+from specrl_jax import drafters, sampling, testing  # noqa: E402
 from specrl_jax.config import ModelConfig  # noqa: E402
 
 # The tiny target the engine tests decode with: a 12-token vocabulary keeps the joint
@@ -40,11 +49,52 @@ def noisy_drafter(target):
   return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
 
 
+# The kernel refuses a process more than vm.max_map_count (65,530 here) memory maps, and
+# every compiled XLA:CPU program holds some. One module's parametrized cases compile enough
+# programs to pass 40,000 maps on a worker; LLVM then fails to allocate while compiling and
+# the worker dies of a fatal signal. So caches are dropped after any test that leaves the
+# worker past this many maps, as well as at the end of each module.
+_MAX_MAPS = 25_000
+
+
+# The files that take longest, longest first: `make test` hands whole files to the
+# workers (xdist's loadfile, so a file's programs and module fixtures are built once, not
+# once per worker) in collection order, and a long file dealt last would run alone.
+_LONGEST_FIRST = ("test_scale.py", "test_speculative.py", "test_compaction.py",
+                  "test_faults.py", "test_adaptive.py", "test_adaptive_compaction.py",
+                  "test_learner_precision.py", "test_distributed.py",
+                  "test_learned_drafters.py", "test_inloop_exactness.py", "test_lowering.py",
+                  "test_history_drafter.py", "test_colabs.py", "test_rl_sync.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: index for index, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: others as found
+
+
+def _memory_maps() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux: no such limit to keep under
+    return 0
+
+
+def _drop_compiled_programs():
+  jax.clear_caches()
+  sampling.clear_program_caches()  # the engine's own caches, which clear_caches misses
+  gc.collect()  # the executables go when nothing refers to them
+
+
+@pytest.fixture(autouse=True)
+def _stay_under_the_memory_map_limit():
+  yield
+  if _memory_maps() > _MAX_MAPS:
+    _drop_compiled_programs()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-  """Drops each module's compiled programs when it ends: a worker that keeps every
-  program of the suite runs into the kernel's limit on memory maps (LLVM then fails to
-  allocate while compiling, which crashed a worker once)."""
+  """Drops each module's compiled programs when it ends (see _MAX_MAPS)."""
   yield
-  jax.clear_caches()
-
+  _drop_compiled_programs()

@@ -250,3 +250,15 @@ def test_the_program_cache_keeps_at_most_its_size_least_recently_used_out(model)
       programs.set_program_cache_size(0)
   finally:
     programs.set_program_cache_size(programs.DEFAULT_MAX_PROGRAMS)
+
+
+def test_the_program_cache_evicts_past_its_size_when_the_process_nears_the_map_limit(
+    model, monkeypatch):
+  # A process past vm.max_map_count dies on its next allocation; each executable holds
+  # about a thousand maps, so the cache gives programs up before that, newest kept.
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=5)  # programs no other test has
+  sj.generate(model, PROMPTS, sampling=greedy)
+  monkeypatch.setattr(programs, "MAP_LIMIT_SHARE", 0.0)
+  out = sj.generate(model, [[1, 2, 3, 4] * 5], sampling=greedy)
+  assert out.stats["program_cache"]["programs"] == 1
+  assert out.stats["program_cache"]["max_programs"] == programs.DEFAULT_MAX_PROGRAMS

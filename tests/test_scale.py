@@ -165,9 +165,19 @@ def test_a_bf16_target_keeps_bf16_weights_activations_and_pages(bf16_target):
   assert f32_pages.kv_dtype == "float32"
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(num_draft_tokens=3),
-                                  SpecConfig(tree=(2, 2, 1), draft_mode="greedy"),
-                                  SpecConfig(tree=(2, 1, 1), draft_mode="sample")], ids=str)
+# bf16 changes the numbers verification reads, not its code: the sampled tree keeps that
+# in the fast suite (a chain is verified as a tree of width 1); chains and greedy trees
+# are proved exact in float32 by test_speculative's covering design.
+BF16_ALSO_COVERED = pytest.mark.slow(
+    reason="bf16 sampled-tree joint test runs in the fast suite; chain and greedy-tree "
+           "verification are covered in float32 by test_speculative, bf16 greedy drafts by "
+           "test_bf16_greedy_speculation_equals_bf16_greedy_plain")
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param(SpecConfig(num_draft_tokens=3), marks=BF16_ALSO_COVERED),
+    pytest.param(SpecConfig(tree=(2, 2, 1), draft_mode="greedy"), marks=BF16_ALSO_COVERED),
+    SpecConfig(tree=(2, 1, 1), draft_mode="sample")], ids=str)
 def test_bf16_speculation_follows_the_bf16_targets_exact_joint(spec, bf16_target):
   draft = drafters.DraftModel(testing.perturbed_model(bf16_target, seed=2, noise=0.3))
   joint_check(bf16_target, draft, spec)

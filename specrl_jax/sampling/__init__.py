@@ -12,6 +12,7 @@ _SOURCES = {
     "PagePoolExhaustedError": "results",
     "plan_engine_memory": "memory",
     "pack": "layout",
+    "clear_program_caches": "programs",
     "program_cache_info": "programs",
     "set_program_cache_size": "programs",
     "sample_tokens": "warp",

@@ -24,6 +24,22 @@ import numpy as np
 # Bucket sizes: powers of two and 1.5x powers of two, so padding adds at most half.
 BUCKETS = tuple(sorted({b for k in range(24) for b in (2 ** k, 3 * 2 ** k // 2) if b > 0}))
 DEFAULT_MAX_PROGRAMS = 16
+# Each XLA:CPU executable holds about a thousand memory maps of its code (a tiny model's
+# decode program: ~1,150), and the kernel kills a process past vm.max_map_count (65,530
+# by default) by failing its next allocation. So past this share of the limit the caches
+# evict beyond max_programs.
+MAP_LIMIT_SHARE = 0.5
+
+
+def _memory_maps_over_limit() -> bool:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+      held = sum(1 for _ in f)
+  except (OSError, ValueError):  # not Linux: no such limit
+    return False
+  return held > MAP_LIMIT_SHARE * limit
 
 
 def bucket(size: int) -> int:
@@ -115,6 +131,10 @@ class ProgramCache:
     while len(self._programs) > self.max_programs:
       self._programs.popitem(last=False)
       self.evictions += 1
+    # Another holder may own the maps, so the newest program always stays.
+    while len(self._programs) > 1 and _memory_maps_over_limit():
+      self._programs.popitem(last=False)
+      self.evictions += 1
 
   def call(self, function: Callable, leading: tuple, static: dict[str, Any], *args):
     """``function(*leading, *args, **static)`` through a compiled executable kept here.
@@ -144,6 +164,12 @@ class ProgramCache:
         self._evict()
     return executable
 
+  def clear(self) -> None:
+    """Drops every kept executable (the counts stay): each holds memory maps of its
+    compiled code, and a process may hold only vm.max_map_count of them."""
+    with self._lock:
+      self._programs.clear()
+
   def info(self) -> dict[str, int]:
     with self._lock:
       return {"programs": len(self._programs), "max_programs": self.max_programs,
@@ -167,6 +193,13 @@ def programs_compiled() -> int:
   """How many generate programs have been compiled so far in this process (a call
   that raised it compiled, so its time is not a decode time)."""
   return PROGRAMS.info()["compiles"] + STAGE_PROGRAMS.info()["compiles"]
+
+
+def clear_program_caches() -> None:
+  """Drops every compiled generate and stage program kept (``jax.clear_caches`` does
+  not reach them); the next call of each shape compiles again."""
+  PROGRAMS.clear()
+  STAGE_PROGRAMS.clear()
 
 
 def set_program_cache_size(max_programs: int) -> None:
