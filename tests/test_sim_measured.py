@@ -9,7 +9,7 @@ other (batch, k) decode times. The README's figure is the same comparison on the
 
 This is the one test that times anything, so it is marked slow (`make test-full`), out
 of the default suite: predictions and measurements come from the same process minutes
-apart, and on a shared machine (CI's two cores run two test workers) the other worker's
+apart, and on a shared machine (CI's two cores run three test workers) the other worker's
 load moved one run by 25% against the pieces timed a minute later. The pass bar (the
 median held-out error within 20%, none beyond 50%) still catches a wrong round count, a
 missing drafter cost or a mis-modelled batch tail; the cost model's arithmetic is
