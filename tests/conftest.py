@@ -26,8 +26,9 @@ os.environ["XLA_FLAGS"] = " ".join([
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from specrl_jax import drafters, sampling, testing  # noqa: E402
+from specrl_jax import drafters, testing  # noqa: E402
 from specrl_jax.config import ModelConfig  # noqa: E402
+from specrl_jax.sampling import programs  # noqa: E402
 
 # The tiny target the engine tests decode with: a 12-token vocabulary keeps the joint
 # distribution of a few tokens enumerable, four query heads over two KV heads keep
@@ -49,14 +50,6 @@ def noisy_drafter(target):
   return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
 
 
-# The kernel refuses a process more than vm.max_map_count (65,530 here) memory maps, and
-# every compiled XLA:CPU program holds some. One module's parametrized cases compile enough
-# programs to pass 40,000 maps on a worker; LLVM then fails to allocate while compiling and
-# the worker dies of a fatal signal. So caches are dropped after any test that leaves the
-# worker past this many maps, as well as at the end of each module.
-_MAX_MAPS = 25_000
-
-
 # The files that take longest, longest first: `make test` hands whole files to the
 # workers (xdist's loadfile, so a file's programs and module fixtures are built once, not
 # once per worker) in collection order, and a long file dealt last would run alone.
@@ -72,24 +65,25 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: others as found
 
 
-def _memory_maps() -> int:
-  try:
-    with open("/proc/self/maps", "rb") as f:
-      return sum(1 for _ in f)
-  except OSError:  # not Linux: no such limit to keep under
-    return 0
+# The kernel refuses a process more than vm.max_map_count (65,530 here) memory maps, and
+# each compiled XLA:CPU program holds about 1,150. The engine's program caches keep
+# programs past a module's end (jax.clear_caches does not reach them), and a worker
+# reached 64,481 maps before LLVM failed to allocate while compiling and the worker died
+# of a fatal signal. So every cache is dropped after any test that leaves the worker past
+# this many maps, as well as at the end of each module.
+_MAX_MAPS = 25_000
 
 
 def _drop_compiled_programs():
   jax.clear_caches()
-  sampling.clear_program_caches()  # the engine's own caches, which clear_caches misses
+  programs.clear_program_caches()  # the engine's own caches, which clear_caches misses
   gc.collect()  # the executables go when nothing refers to them
 
 
 @pytest.fixture(autouse=True)
 def _stay_under_the_memory_map_limit():
   yield
-  if _memory_maps() > _MAX_MAPS:
+  if programs.memory_maps()[0] > _MAX_MAPS:
     _drop_compiled_programs()
 
 

@@ -31,15 +31,21 @@ DEFAULT_MAX_PROGRAMS = 16
 MAP_LIMIT_SHARE = 0.5
 
 
-def _memory_maps_over_limit() -> bool:
+def memory_maps() -> tuple[int, int]:
+  """(memory maps this process holds, the kernel's vm.max_map_count); (0, 0) where
+  there is no such limit to read (not Linux)."""
   try:
     with open("/proc/sys/vm/max_map_count") as f:
       limit = int(f.read())
     with open("/proc/self/maps", "rb") as f:
-      held = sum(1 for _ in f)
-  except (OSError, ValueError):  # not Linux: no such limit
-    return False
-  return held > MAP_LIMIT_SHARE * limit
+      return sum(1 for _ in f), limit
+  except (OSError, ValueError):
+    return 0, 0
+
+
+def _memory_maps_over_limit() -> bool:
+  held, limit = memory_maps()
+  return held > MAP_LIMIT_SHARE * limit if limit else False
 
 
 def bucket(size: int) -> int:
