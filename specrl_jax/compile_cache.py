@@ -63,27 +63,41 @@ def persistent_cache(directory: str | None) -> Iterator[str | None]:
 
 
 class CompileCounter:
-  """Counts the programs XLA compiles while it is open (JAX's backend-compile events,
-  one per program built; a program found in jit's in-memory cache raises none).
+  """Counts the programs built while it is open: compiled by XLA (JAX's backend-compile
+  events) or loaded from the persistent cache (its hit events). A program found in jit's
+  in-memory cache raises neither; one that is traced and built again does, whether or
+  not an earlier process left it in the cache.
 
       with CompileCounter() as compiled:
         ...
-      compiled.count, compiled.seconds
+      compiled.count, compiled.seconds, compiled.loaded, compiled.built
   """
 
   EVENT = "/jax/core/compile/backend_compile_duration"
+  HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
   def __init__(self):
-    self.count, self.seconds = 0, 0.0
+    self.count, self.seconds, self.loaded = 0, 0.0, 0
+
+  @property
+  def built(self) -> int:
+    """Programs compiled or loaded from the persistent cache."""
+    return self.count + self.loaded
 
   def _on_duration(self, name: str, seconds: float, **kwargs) -> None:
     if name == self.EVENT:
       self.count += 1
       self.seconds += seconds
 
+  def _on_event(self, name: str, **kwargs) -> None:
+    if name == self.HIT_EVENT:
+      self.loaded += 1
+
   def __enter__(self) -> "CompileCounter":
     jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    jax.monitoring.register_event_listener(self._on_event)
     return self
 
   def __exit__(self, *exc_info) -> None:
     jax.monitoring.unregister_event_duration_listener(self._on_duration)
+    jax.monitoring.unregister_event_listener(self._on_event)

@@ -19,6 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import specrl_jax as sj
 from specrl_jax import cli
+from specrl_jax.compile_cache import CompileCounter
 from specrl_jax.config import ConfigError
 from specrl_jax.rl.app import drafter_registry, train_command
 from specrl_jax.rl.app.metrics import read_jsonl
@@ -62,18 +63,10 @@ def drafter_folders(workspace):  # noqa: F811
 
 
 def _compilations(run) -> int:
-  """How many XLA compilations ``run()`` triggers."""
-  events = []
-  def listener(event, duration, **kwargs):
-    del duration, kwargs
-    if event == "/jax/core/compile/backend_compile_duration":
-      events.append(event)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  """How many programs ``run()`` builds (compiled, or loaded from a persistent cache)."""
+  with CompileCounter() as counter:
     run()
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-  return len(events)
+  return counter.built
 
 
 # kind, extra flags (a callable of the folders), whether it trains online.
