@@ -5,33 +5,26 @@ Must run before JAX initialises a backend, hence environment variables at import
 """
 import gc
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache for the whole run: many files compile the same
-# programs of the same tiny models, every module's programs are dropped when it ends
-# (below), and three workers run side by side. The folder is made by the process that
-# imports this first (xdist's controller; the workers and the `specrl` subprocesses
-# the tests start inherit the environment) and removed by it at the end.
-# JAX_COMPILATION_CACHE_DIR="" turns it off. (It was off for a while after a worker
-# died inside the cache's write; that was the memory-map limit below, which killed
-# workers while compiling too, and which the suite now stays under.)
-_SUITE_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _SUITE_CACHE = tempfile.mkdtemp(prefix="specrl-tests-jax-cache-")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _SUITE_CACHE
-  # Tiny programs compile in well under JAX's default 1 s threshold.
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# No persistent compilation cache unless a test asks for one: `specrl train` would
+# otherwise open one beside each test's output directory, shared between tests. (A
+# suite-wide cache was tried: serializing the async pipeline's program with heads split
+# over "tensor" crashed a worker inside JAX's cache write, so it stays off.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 # Compiling is most of the suite's time (XLA:CPU's backend: 55 of the 66 s of
 # test_adaptive's two slowest tests). Without LLVM's optimisations and with one codegen
 # module per program (no split to run on cores the other worker uses) that pair takes
 # 37 s, and a 20,000-sample chi-square test 38 s instead of 40 (slower to run, faster to
-# compile). The subprocesses the tests start inherit the flags; benchmarks never run so.
+# compile). XLA:CPU's newer fusion emitters cost more to compile than they save on
+# these tiny programs: without them an adaptive greedy-identity case took 15.6 s
+# instead of 24.8 (CPU seconds 34 -> 18) and a chain chi-square case 15.7 s instead of
+# 19.1, one process alone on the two cores. The subprocesses the tests start inherit
+# the flags; benchmarks never run so.
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-    "--xla_cpu_parallel_codegen_split_count=1"]).strip()
+    "--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_fusion_emitters=false"]).strip()
 
 
 import jax  # noqa: E402
@@ -103,23 +96,3 @@ def _free_compiled_programs():
   """Drops each module's compiled programs when it ends (see _MAX_MAPS)."""
   yield
   _drop_compiled_programs()
-
-
-@pytest.fixture
-def no_suite_cache(monkeypatch):
-  """The suite's persistent cache set aside for one test, as for a user who configured
-  none: for tests that set up caches themselves, and for tests that count compilations
-  (a program loaded from the cache is not compiled, so a count would miss it)."""
-  from jax.experimental.compilation_cache import compilation_cache
-  previous = jax.config.jax_compilation_cache_dir
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
-  jax.config.update("jax_compilation_cache_dir", None)
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_compilation_cache_dir", previous)
-  compilation_cache.reset_cache()
-
-
-def pytest_unconfigure(config):
-  if _SUITE_CACHE is not None:
-    shutil.rmtree(_SUITE_CACHE, ignore_errors=True)

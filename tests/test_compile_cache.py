@@ -13,10 +13,6 @@ from specrl_jax import compile_cache
 from specrl_jax.rl.app import train_command
 
 
-@pytest.fixture(autouse=True)
-def _as_a_user_without_a_cache(no_suite_cache):
-  """These tests set caches up themselves: the suite's (conftest) is set aside."""
-
 def test_auto_puts_the_cache_beside_the_output_directory_and_off_turns_it_off(tmp_path):
   out = str(tmp_path / "runs" / "demo")
   assert compile_cache.cache_directory("auto", out) == str(

@@ -303,7 +303,7 @@ def test_a_full_disk_is_one_line(rows_file, tmp_path, capsys, monkeypatch):
 
 
 def test_a_compilation_cache_under_a_file_is_one_line(rows_file, tmp_path, capsys,
-                                                       monkeypatch, no_suite_cache):
+                                                       monkeypatch):
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   (tmp_path / "file").write_text("")
   _refused(capsys, "train", _argv(rows_file, tmp_path / "run",

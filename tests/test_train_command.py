@@ -27,9 +27,7 @@ TIMING = ("step_seconds", "samples_per_second", "tokens_per_second")
 
 def _env(cache):
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
-             # the suite's cache (conftest) where there is one: other files build these
-             # programs too
-             JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache),
+             JAX_COMPILATION_CACHE_DIR=str(cache),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return env
