@@ -103,9 +103,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def test_remat_lowers_peak_training_memory_of_the_compiled_step():
   # A fresh process: the CPU scheduler that lets remat save memory is chosen by
-  # XLA_FLAGS before JAX starts (see the script's docstring).
+  # XLA_FLAGS before JAX starts (the script adds it; see its docstring). The suite's
+  # compile-speed flags (conftest) stay: the memory analysis is buffer assignment's,
+  # the same within a few hundred bytes per policy with or without them, and the run
+  # takes 22 CPU seconds instead of 60.
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(REPO))
-  env.pop("XLA_FLAGS", None)
   out = subprocess.run([sys.executable, str(REPO / "experiments" / "bench_remat.py"),
                         "--layers=4", "--length=64", "--policies=none,full,dots_saveable"],
                        env=env, capture_output=True, text=True, timeout=600, check=True)
