@@ -146,6 +146,9 @@ def async_killed(tmp_path_factory):
   return dict(root=root, checkpoints=checkpoints, resumed=resumed)
 
 
+@pytest.mark.slow(reason="the adaptive async kill-and-resume below (test_a_killed_adaptive_run_"
+                  "resumes_choosing_as_the_uninterrupted_run[async]) makes the same kill "
+                  "(saved:1, lag 2) and asserts these policy versions and metrics too")
 def test_a_killed_async_run_resumes_with_the_uninterrupted_runs_policy_versions_and_metrics(
     async_killed):
   root = async_killed["root"]
@@ -389,7 +392,7 @@ def adaptive_killed(request, tmp_path_factory):
   assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
   resumed = _fault_run("none", root / "killed", cache, *extra, devices=devices)
   assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-  return dict(root=root, resumed=resumed)
+  return dict(root=root, resumed=resumed, mode=mode)
 
 
 def test_a_killed_adaptive_run_resumes_choosing_as_the_uninterrupted_run(adaptive_killed):
@@ -402,3 +405,9 @@ def test_a_killed_adaptive_run_resumes_choosing_as_the_uninterrupted_run(adaptiv
   assert sum(sum(r["inloop_exploration_rounds"]) for r in whole) > 0
   assert all("inloop_shape_by_width" in r for r in whole)
   assert _without_timing(resumed) == _without_timing(whole)
+  if adaptive_killed["mode"] == "async":
+    # Batches 1 and 2 were generated before update 0: resumed, they still train on
+    # version 0 (not on the restored version 1), and batch 3 on version 1.
+    assert [r["policy_version"] for r in whole] == [0, 0, 0, 1]
+    assert [r["policy_version"] for r in resumed] == [0, 0, 0, 1]
+    assert any(r["grad_norm"] > 0 for r in whole[:-1])  # versions differ in their weights
