@@ -42,11 +42,11 @@ def run_demo(config: ExperimentConfig, *, repeats: int = SPEED_REPEATS) -> dict:
   if os.path.exists(directory):
     shutil.rmtree(directory)
   # programs built (compiled, or loaded from the persistent cache) by the end of RL step 0
-  compiled_by_step_0: list[int] = []
+  built_by_step_0: list[int] = []
 
   def on_step(step: int, _metrics) -> None:
     if step == 0:
-      compiled_by_step_0.append(compiled.built)
+      built_by_step_0.append(compiled.built)
 
   with CompileCounter() as compiled:
     session = Session(config, on_step=on_step)
@@ -69,12 +69,13 @@ def run_demo(config: ExperimentConfig, *, repeats: int = SPEED_REPEATS) -> dict:
     after = arms.measure(state.compute_params(), drafter_params(state), repeats=repeats,
                          label="speed check after RL")
     print(after.line("rollout speed after RL (online-trained drafter)"), flush=True)
-  compiled_after_step_0 = compiled.built - compiled_by_step_0[0]
+  built_after_step_0 = compiled.built - built_by_step_0[0]
 
   records = read_jsonl(os.path.join(directory, "metrics.jsonl"))
   print("\nreward by step: " + " ".join(f"{r['reward_mean']:.2f}" for r in records))
   print("acceptance length by step: " + " ".join(f"{r['acceptance_length']:.2f}" for r in records))
-  print(f"programs compiled after RL's first step: {compiled_after_step_0}")
+  print(f"programs compiled (or loaded from the cache) after RL's first step: "
+        f"{built_after_step_0}")
   checks = {"before RL": before, "after RL": after}
   if config.output.plots:
     summary["plots"].append(plot_speed_checks(
@@ -87,7 +88,7 @@ def run_demo(config: ExperimentConfig, *, repeats: int = SPEED_REPEATS) -> dict:
       "rollout_speedup_before_rl": before.speedup,
       "rollout_speedup_after_rl": after.speedup,
       "speed_checks": {label: check.as_dict() for label, check in checks.items()},
-      "compiled_after_first_rl_step": compiled_after_step_0,
+      "compiled_after_first_rl_step": built_after_step_0,
       "compile_seconds": compiled.seconds,
       "plots": summary["plots"],
       "total_seconds": time.perf_counter() - started,
