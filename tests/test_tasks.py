@@ -156,6 +156,28 @@ def test_sft_lowers_the_loss_and_distillation_moves_the_student_toward_the_teach
   assert np.mean(soft[-3:]) < np.mean(soft[:3])
 
 
+def test_sft_batches_drop_trailing_padding_without_changing_the_loss():
+  # A task budgets for its longest allowed prompt; the batch is cut to the power of two
+  # that holds its longest example, and a causal model's loss cannot tell.
+  task = tasks.Arithmetic(min_digits=1, max_digits=2)
+  problems = [task.sample(np.random.default_rng(i)) for i in range(6)]
+  tokens, mask = sft.sft_examples(problems, 256)
+  trimmed, trimmed_mask = sft.trim_padding(tokens, mask)
+  longest = int(np.nonzero(mask.any(axis=0))[0][-1]) + 1
+  assert trimmed.shape[1] == 1 << (longest - 1).bit_length() < 256
+  np.testing.assert_array_equal(trimmed, tokens[:, :trimmed.shape[1]])
+  assert (tokens[:, trimmed.shape[1]:] == tokenizer.text_tokenizer().padding_id).all()
+  config = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                          num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+  model = sj.Transformer(config, rngs=nnx.Rngs(0))
+  full = sft._loss(model, jnp.asarray(tokens), jnp.asarray(mask), None)
+  cut = sft._loss(model, jnp.asarray(trimmed), jnp.asarray(trimmed_mask), None)
+  np.testing.assert_allclose(cut, full, rtol=1e-5)
+  narrow = np.zeros((2, 40), bool)
+  narrow[:, 3] = True
+  assert sft.trim_padding(np.zeros((2, 40), np.int32), narrow)[0].shape == (2, 16)
+
+
 def test_the_noisy_demonstrator_rewrites_one_digit_and_nothing_else():
   problem = tasks.Arithmetic().sample(np.random.default_rng(0))
   noisy = sft.with_digit_noise(problem, np.random.default_rng(1))
