@@ -1,6 +1,7 @@
 """RL step time, plain vs speculative rollouts, sync vs async, measured in one run.
 
-On the demo's warm-started policy and draft model (``--policy tiny``: trained here, or
+On the demo's first warm-started policy and draft model (``--policy tiny``, the 1.2M
+sizes of ``common.SMALL_DEMO``: trained here, or
 loaded from --warm-from) or on one of experiments/spec_pair.py's SFT targets and its
 distilled draft model (``--policy medium``: 38M parameters, large enough that, as for a
 real policy, verifying a few tokens costs little more than decoding one on a CPU;
@@ -91,6 +92,9 @@ from specrl_jax.rl.app.experiment import experiment_config  # noqa: E402
 from specrl_jax.rl.loop.sync import build_program, prompts_on_mesh  # noqa: E402
 from specrl_jax.rl.app.train_command import Session  # noqa: E402
 from specrl_jax.sampling.compaction import stage_widths  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 
 def _timed(function, *args):
@@ -202,7 +206,6 @@ def bench_async(session: Session, models, kind: str, lag: int, steps: int, warmu
 
 
 def _spec_pair():
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import spec_pair
   return spec_pair
 
@@ -256,6 +259,7 @@ def main() -> int:
       f"--rl.mesh={devices},1,1", "--output.progress=false", "--output.plots=false",
       f"--output.directory={args.out}", f"--rl.prompts_per_step={prompts}",
       f"--rl.engine.compaction={str(compaction).lower()}"]
+      + common.SMALL_DEMO  # k = 3 on 8 slots; a pair's shapes replace the policy's below
       + (_pair_overrides(args.policy, own_task=not longtail) if pair else [])
       + (_longtail_overrides(args) if longtail else [])
       + ([f"--rl.engine.num_slots={num_slots}"] if num_slots is not None else [])

@@ -33,7 +33,7 @@ from specrl_jax.rl.app.train_command import Session  # noqa: E402
 
 
 def run(seeds: int, steps: int, out: str) -> dict:
-  base = experiment_config("demo", [f"--rl.steps={steps}", "--output.progress=false",
+  base = experiment_config("demo", common.SMALL_DEMO + [f"--rl.steps={steps}", "--output.progress=false",
                                     "--output.plots=false", "--output.tensorboard=false",
                                     "--output.resume=false", f"--output.directory={out}/warm"])
   log = lambda message: print(message, file=sys.stderr, flush=True)
