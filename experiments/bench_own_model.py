@@ -13,6 +13,7 @@ speed-up over plain decoding (kind "none") of the same step.
 
   python experiments/bench_own_model.py [--epochs 3] [--prompts 16] [--group 4]
       [--kinds none,ngram,history,draft_model,eagle3,mtp] [--hidden 256] [--layers 4]
+      [--slots 0]
 
 Prints JSON and writes results/cpu/bench_own_model.json.
 """
@@ -85,7 +86,7 @@ def argv_for(kind: str, model: str, data: str, directory: Path, args, sft_steps:
           f"--rl.prompts_per_step={args.prompts_per_step}", f"--rl.group_size={args.group}",
           f"--rl.steps={args.epochs * args.prompts // args.prompts_per_step}",
           "--learner.learning_rate=1e-5", f"--drafter.kind={kind}",
-          f"--drafter.num_draft_tokens={args.k}",
+          f"--drafter.num_draft_tokens={args.k}", f"--rl.engine.num_slots={args.slots}",
           f"--drafter.history.rollout_tokens={args.max_new + 24}",
           "--output.progress=false", "--output.tensorboard=false", "--output.plots=false",
           f"--output.directory={directory}", "--output.resume=false"]
@@ -220,6 +221,9 @@ def main(argv=None) -> int:
   parser.add_argument("--hidden", type=int, default=256)
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--vocab", type=int, default=96)
+  # 0: a slot per sample (the dataset preset's). Few slots keep a verification's rows
+  # below a CPU's ridge point, where a forward costs reading its weights.
+  parser.add_argument("--slots", type=int, default=0)
   parser.add_argument("--sft-steps", type=int, default=150)
   parser.add_argument("--distill", type=int, default=100)
   parser.add_argument("--repeats", type=int, default=3)

@@ -332,12 +332,23 @@ class ExperimentConfig:
 
 
 PRESETS: dict[str, ExperimentConfig] = {
-    # `make demo`: ~1.2M-parameter policy, 64-wide one-layer drafter, 1-2 digit addition.
+    # `make demo`: an 11.5M-parameter policy (46 MB of float32 weights, beyond a CPU's
+    # last-level cache), a 128-wide one-layer drafter at k = 4, 1-2 digit addition, on 4
+    # slots. Each forward then reads its weights from memory, and 4 slots x 5 tokens are
+    # too few rows to make it compute-bound, so verifying a round costs ~1.5 plain steps:
+    # the regime of an accelerator below its roofline's ridge point. The 1.2M policy it
+    # replaced fit in cache and was compute-bound at 8 slots: a round cost 2.9-3.7 plain
+    # steps and no drafter paid (docs/results.md, "Demo round cost").
     "demo": ExperimentConfig(
+        policy=ModelSection(hidden_size=512, intermediate_size=2048, num_layers=3, num_heads=8,
+                            num_kv_heads=2, head_dim=64),
+        drafter=DrafterSection(num_draft_tokens=4, model=ModelSection(
+            hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=1,
+            head_dim=32, seed=1)),
         task=TaskSection(min_digits=1, max_digits=2),
-        warm_start=WarmStartSection(sft_steps=150, sft_learning_rate=5e-3, distill_steps=100,
+        warm_start=WarmStartSection(sft_steps=100, sft_learning_rate=2e-3, distill_steps=200,
                                     distill_learning_rate=5e-3),
-        rl=RLSection(steps=30, prompts_per_step=16),
+        rl=RLSection(steps=30, prompts_per_step=16, engine=EngineConfig(num_slots=4)),
         learner=dataclasses.replace(LEARNER, warmup_steps=3),
         output=OutputSection(directory="runs/demo", checkpoint_every=0)),
     # Tests: a tiny policy and drafter, few short steps.
