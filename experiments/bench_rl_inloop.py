@@ -1,0 +1,168 @@
+"""RL rollout generation time: the in-loop adaptive draft shape vs every fixed chain vs
+plain decoding, interleaved step by step on the same prompts, weights and seeds.
+
+Each arm is the sync RL step's own rollout program (``rl.loop.sync.build_program``),
+with slot compaction: "plain" (no drafter), "chain_k<k>" (the draft model at k drafted
+tokens, k = 1..K) and "adaptive" (the draft model with ``--drafter.adaptive``: a shape
+from plain, chains 1..K [and --trees] chosen per round inside the compiled rollout,
+from its round costs measured at the start on this machine and the acceptance it
+carries from rollout to rollout). Every step times each arm's rollout of that step's
+prompts, the arms in a rotating order, with the same rng; the adaptive arm carries its
+controller from step to step, as the RL step does. The weights stay the warm start's
+(the policy SFT'd on the task, the draft model distilled from it): this measures
+generation, not learning. ``--warmup`` untimed steps first (compiles, and the
+controller's first measurements).
+
+  python experiments/bench_rl_inloop.py [--policy demo|small] [--task longtail|arithmetic]
+      [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1] [--num-slots 4]
+      [--prompts-per-step 16] [--set=--SECTION.FIELD=VALUE ...]
+
+--policy demo: the demo preset's 11.5M policy and 128 x 1 drafter (a forward bound by
+reading the weights at few rows); small: common.SMALL_DEMO's 1.2M policy (compute-bound
+on a CPU). Prints one JSON object: per arm the median generation seconds, the
+per-step speed-ups over plain decoding (median and range), acceptance, and for the
+adaptive arm the shape that ran most at each width per step, the round-cost table and
+the exploration rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from specrl_jax.rl.app.experiment import experiment_config  # noqa: E402
+from specrl_jax.rl.app.train_command import Session  # noqa: E402
+from specrl_jax.rl.loop.rollout import rollout_metrics  # noqa: E402
+from specrl_jax.rl.loop.shape_control import (controller_metrics, shape_labels,  # noqa: E402
+                                              step_counters)
+from specrl_jax.rl.loop.sync import build_program, prompts_on_mesh  # noqa: E402
+
+
+def _parse(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--policy", choices=("demo", "small"), default="demo")
+  parser.add_argument("--task", choices=("longtail", "arithmetic"), default="longtail")
+  parser.add_argument("--tail-exponent", type=float, default=1.0)
+  parser.add_argument("--steps", type=int, default=6)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--k", type=int, default=4)
+  parser.add_argument("--trees", default="", help="adaptive trees, e.g. 2x2x1,3x1")
+  parser.add_argument("--num-slots", type=int, default=4)
+  parser.add_argument("--prompts-per-step", type=int, default=16)
+  parser.add_argument("--out", default="runs/bench_rl_inloop")
+  parser.add_argument("--set", action="append", default=[], metavar="--SECTION.FIELD=VALUE")
+  return parser.parse_args(argv)
+
+
+class Arm:
+  """One rollout program and the train state it reads (the adaptive arm's controller
+  is carried from rollout to rollout)."""
+
+  def __init__(self, name: str, base: Session, models, drafter_overrides: dict):
+    # A session per arm from the same config but for the drafter: the same prompts,
+    # rngs and warm-started models.
+    config = dataclasses.replace(base.config, drafter=dataclasses.replace(
+        base.config.drafter, **drafter_overrides))
+    session = Session(config, log=base.log)
+    self.name, self.session = name, session
+    drafter, online = session.drafter_for(models)
+    self.mesh, _ = session.meshes()
+    self.state = session.initial_state(models, online, self.mesh)  # adaptive: calibrates
+    self.program = build_program(
+        nnx.split(models.policy)[0], models.policy.config, session.task, session.learner,
+        session.rollout_config, self.mesh, self.state, prompt_width=session.prompt_width,
+        drafter=drafter, online=online, spec=session.spec if drafter is not None else None,
+        engine=session.engine)
+
+  def roll_out(self, step: int) -> tuple[dict, float]:
+    prompts = prompts_on_mesh(self.session.step_prompts(step), self.mesh)
+    before = self.state.controller
+    started = time.perf_counter()
+    trajectories = jax.block_until_ready(
+        self.program.rollout_jit(self.state, prompts, self.session.step_rng(step)))
+    seconds = time.perf_counter() - started
+    record = {k: np.asarray(v).tolist() for k, v in jax.device_get(rollout_metrics(
+        trajectories, self.session.rollout_config.sampling.max_new_tokens)).items()}
+    if trajectories.controller is not None:
+      record.update({k: np.asarray(v).tolist() for k, v in jax.device_get(controller_metrics(
+          trajectories.controller, step_counters(before, trajectories.controller))).items()})
+      self.state = self.state.replace(controller=trajectories.controller)
+    return record, seconds
+
+
+def main(argv=None) -> int:
+  args = _parse(argv)
+  overrides = ([] if args.policy == "demo" else common.SMALL_DEMO) + [
+      "--output.progress=false", "--output.plots=false", f"--output.directory={args.out}",
+      f"--rl.prompts_per_step={args.prompts_per_step}", "--rl.engine.compaction=true",
+      f"--rl.engine.num_slots={args.num_slots}", f"--drafter.num_draft_tokens={args.k}"]
+  if args.task == "longtail":
+    overrides += ["--task.name=longtail_arithmetic", "--task.min_digits=1",
+                  "--task.max_digits=16", f"--task.tail_exponent={args.tail_exponent}"]
+  log = lambda message: print(message, file=sys.stderr, flush=True)
+  base = Session(experiment_config("demo", overrides + args.set), log=log)
+  models = base.warm_start()
+  trees = tuple(t for t in args.trees.split(",") if t)
+  specs = {"plain": dict(kind="none")}
+  specs.update({f"chain_k{k}": dict(num_draft_tokens=k) for k in range(1, args.k + 1)})
+  specs["adaptive"] = dict(adaptive=True, adaptive_trees=trees)
+  arms = [Arm(name, base, models, spec) for name, spec in specs.items()]
+  for step in range(args.warmup):
+    for arm in arms:
+      arm.roll_out(step)
+  seconds = {arm.name: [] for arm in arms}
+  records = {arm.name: [] for arm in arms}
+  for step in range(args.warmup, args.warmup + args.steps):
+    shift = step % len(arms)  # a rotating order: drifting load hits every arm alike
+    for arm in arms[shift:] + arms[:shift]:
+      record, took = arm.roll_out(step)
+      seconds[arm.name].append(took)
+      records[arm.name].append(record)
+  report = {"benchmark": "bench_rl_inloop", "args": vars(args),
+            "policy_params": models.policy.config.num_params(), "load": os.getloadavg(),
+            "arms": {}}
+  for arm in arms:
+    speedups = [p / s for p, s in zip(seconds["plain"], seconds[arm.name])]
+    report["arms"][arm.name] = {
+        "generation_seconds_median": statistics.median(seconds[arm.name]),
+        "generation_seconds": seconds[arm.name],
+        "speedup_vs_plain_median": statistics.median(speedups),
+        "speedup_vs_plain_range": [min(speedups), max(speedups)],
+        "acceptance_length": statistics.median(
+            r["acceptance_length"] for r in records[arm.name]),
+        "response_length_mean": statistics.median(
+            r["response_length_mean"] for r in records[arm.name])}
+  adaptive = arms[-1]
+  labels = shape_labels(adaptive.state.controller)
+  report["arms"]["adaptive"].update(
+      shape_labels=labels,
+      shape_by_width_per_step=[[labels[i] if i >= 0 else None for i in r["inloop_shape_by_width"]]
+                               for r in records["adaptive"]],
+      exploration_rounds_per_step=[r["inloop_exploration_rounds"] for r in records["adaptive"]],
+      round_seconds_ms={label: [1e3 * x for x in records["adaptive"][-1][
+          f"inloop_round_seconds_{label}"]] for label in labels},
+      acceptance_per_position=records["adaptive"][-1]["inloop_acceptance"])
+  fixed = [name for name in seconds if name.startswith("chain_")]
+  best = min(fixed, key=lambda name: statistics.median(seconds[name]))
+  report["best_fixed"] = best
+  report["adaptive_vs_best_fixed"] = statistics.median(
+      [b / a for a, b in zip(seconds["adaptive"], seconds[best])])
+  report["adaptive_vs_plain"] = report["arms"]["adaptive"]["speedup_vs_plain_median"]
+  print(json.dumps(report, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
