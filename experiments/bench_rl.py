@@ -95,6 +95,7 @@ from specrl_jax.sampling.compaction import stage_widths  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import spec_pair  # noqa: E402
 
 
 def _timed(function, *args):
@@ -205,44 +206,10 @@ def bench_async(session: Session, models, kind: str, lag: int, steps: int, warmu
           "max_policy_lag_seen": max(r["policy_lag"] for r in records)}
 
 
-def _spec_pair():
-  import spec_pair
-  return spec_pair
-
-
-def _pair_overrides(size: str, own_task: bool = True) -> list[str]:
-  """A spec_pair size's target and draft model shapes, and (own_task) its task, as the
-  experiment's policy, drafter and task."""
-  pair = _spec_pair()
-  target, draft, _ = pair.SIZES[size]
-  shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-           "head_dim")
-  return ([f"--policy.{f}={getattr(target, f)}" for f in shape]
-          + [f"--drafter.model.{f}={getattr(draft, f)}" for f in shape]
-          + ([f"--task.min_digits={pair.TASK.min_digits}",
-              f"--task.max_digits={pair.TASK.max_digits}"] if own_task else []))
-
-
 def _longtail_overrides(args) -> list[str]:
   """The longtail_arithmetic task on 1-16 digits as the experiment's task."""
   return ["--task.name=longtail_arithmetic", "--task.min_digits=1", "--task.max_digits=16",
           f"--task.tail_exponent={args.tail_exponent}"]
-
-
-def _pair_warm_start(size: str, session: Session) -> None:
-  """Writes a spec_pair size's target and draft model where ``session`` loads its warm
-  start from (they were SFT'd / distilled on the pair's task), under the key of
-  ``session``'s configuration, so that it is used rather than rebuilt."""
-  from specrl_jax import checkpoint
-  from specrl_jax.rl.app import run_directory
-  target, draft = _spec_pair().load_or_train(size=size)
-  folder = os.path.join(session.config.output.directory, "warm_start")
-  if os.path.exists(folder):
-    shutil.rmtree(folder)
-  checkpoint.save_model(os.path.join(folder, "policy"), target)
-  checkpoint.save_model(os.path.join(folder, "draft"), draft)
-  run_directory.write_json(os.path.join(folder, run_directory.WARM_START_KEY),
-                           run_directory.warm_start_key(session.record))
 
 
 def main() -> int:
@@ -260,7 +227,7 @@ def main() -> int:
       f"--output.directory={args.out}", f"--rl.prompts_per_step={prompts}",
       f"--rl.engine.compaction={str(compaction).lower()}"]
       + common.SMALL_DEMO  # k = 3 on 8 slots; a pair's shapes replace the policy's below
-      + (_pair_overrides(args.policy, own_task=not longtail) if pair else [])
+      + (spec_pair.experiment_overrides(args.policy, own_task=not longtail) if pair else [])
       + (_longtail_overrides(args) if longtail else [])
       + ([f"--rl.engine.num_slots={num_slots}"] if num_slots is not None else [])
       + args.set)
@@ -271,7 +238,7 @@ def main() -> int:
   log = lambda message: print(message, file=sys.stderr, flush=True)
   session = Session(config, log=log)
   if pair:
-    _pair_warm_start(args.policy, session)
+    spec_pair.use_as_warm_start(session, *spec_pair.load_or_train(size=args.policy))
   models = session.warm_start()
   report = {"policy": args.policy, "policy_params": models.policy.config.num_params(),
             "devices": devices, "samples_per_step": session.rollout_config.group_size

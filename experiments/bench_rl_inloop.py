@@ -13,13 +13,15 @@ controller from step to step, as the RL step does. The weights stay the warm sta
 generation, not learning. ``--warmup`` untimed steps first (compiles, and the
 controller's first measurements).
 
-  python experiments/bench_rl_inloop.py [--policy demo|small] [--task longtail|arithmetic]
+  python experiments/bench_rl_inloop.py [--policy demo|small|medium] [--task longtail|arithmetic]
       [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1] [--num-slots 4]
       [--prompts-per-step 16] [--set=--SECTION.FIELD=VALUE ...]
 
 --policy demo: the demo preset's 11.5M policy and 128 x 1 drafter (a forward bound by
-reading the weights at few rows); small: common.SMALL_DEMO's 1.2M policy (compute-bound
-on a CPU). Prints one JSON object: per arm the median generation seconds, the
+reading the weights at few rows), warm-started on --task; small: common.SMALL_DEMO's
+1.2M policy (compute-bound on a CPU); medium: experiments/spec_pair.py's 38M target (SFT
+on 2-4 digits) with its draft model distilled --distill-steps more on --task's texts
+from the target's distributions (both cached under artifacts/). Prints one JSON object: per arm the median generation seconds, the
 per-step speed-ups over plain decoding (median and range), acceptance, and for the
 adaptive arm the shape that ran most at each width per step, the round-cost table and
 the exploration rounds.
@@ -41,6 +43,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import spec_pair  # noqa: E402
 
 from specrl_jax.rl.app.experiment import experiment_config  # noqa: E402
 from specrl_jax.rl.app.train_command import Session  # noqa: E402
@@ -52,7 +55,9 @@ from specrl_jax.rl.loop.sync import build_program, prompts_on_mesh  # noqa: E402
 
 def _parse(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--policy", choices=("demo", "small"), default="demo")
+  parser.add_argument("--policy", choices=("demo", "small", "medium"), default="demo")
+  parser.add_argument("--distill-steps", type=int, default=150,
+                      help="--policy medium: draft model steps distilled on the task")
   parser.add_argument("--task", choices=("longtail", "arithmetic"), default="longtail")
   parser.add_argument("--tail-exponent", type=float, default=1.0)
   parser.add_argument("--steps", type=int, default=6)
@@ -104,7 +109,9 @@ class Arm:
 
 def main(argv=None) -> int:
   args = _parse(argv)
-  overrides = ([] if args.policy == "demo" else common.SMALL_DEMO) + [
+  sizes = {"demo": [], "small": common.SMALL_DEMO,
+           "medium": spec_pair.experiment_overrides("medium", own_task=False)}
+  overrides = sizes[args.policy] + [
       "--output.progress=false", "--output.plots=false", f"--output.directory={args.out}",
       f"--rl.prompts_per_step={args.prompts_per_step}", "--rl.engine.compaction=true",
       f"--rl.engine.num_slots={args.num_slots}", f"--drafter.num_draft_tokens={args.k}"]
@@ -113,6 +120,10 @@ def main(argv=None) -> int:
                   "--task.max_digits=16", f"--task.tail_exponent={args.tail_exponent}"]
   log = lambda message: print(message, file=sys.stderr, flush=True)
   base = Session(experiment_config("demo", overrides + args.set), log=log)
+  if args.policy == "medium":  # the pair's target; its drafter distilled on this task
+    target, _ = spec_pair.load_or_train(size="medium")
+    spec_pair.use_as_warm_start(base, target, spec_pair.load_or_distill_for_task(
+        base.task, "medium", steps=args.distill_steps))
   models = base.warm_start()
   trees = tuple(t for t in args.trees.split(",") if t)
   specs = {"plain": dict(kind="none")}

@@ -144,6 +144,56 @@ def load_or_train_heads(target: sj.Transformer, size: str = "small", *,
   return {name: load[name]() for name in saved}
 
 
+def load_or_distill_for_task(task, size: str, steps: int = 150, *, force: bool = False
+                             ) -> sj.Transformer:
+  """The pair's draft model distilled further, ``steps`` more SFT steps, from its target's
+  distributions on ``task``'s worked solutions (cached in draft_<task name>/): a drafter
+  that has seen the task's inputs, e.g. the long tail's 5-16 digit operands that the
+  pair's own 2-4 digit task never shows."""
+  target, draft = load_or_train(size=size)
+  name = f"draft_{task.name}_{task.min_digits}_{task.max_digits}"
+  path = folder(size) / name
+  if not force and (path / "config.json").exists():
+    return sj.load_hf(path)
+  start = time.perf_counter()
+  draft, losses = train_sft(draft, task, SFTConfig(steps=steps, batch_size=32,
+                                                   learning_rate=3e-3, seed=2),
+                            teacher=target, log_every=25)
+  sj.save_hf(draft, path, tokenizer=tokenizer.builtin_tokenizer())
+  (path / "training.json").write_text(json.dumps({
+      "seconds": time.perf_counter() - start, "steps": steps, "first_loss": losses[0],
+      "final_loss": losses[-1]}, indent=2))
+  return draft
+
+
+def experiment_overrides(size: str, own_task: bool = True) -> list[str]:
+  """The size's target and draft model shapes, and (own_task) the pair's task, as
+  ``specrl train`` overrides of the experiment's policy, drafter and task."""
+  target, draft, _ = SIZES[size]
+  shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+           "head_dim")
+  return ([f"--policy.{f}={getattr(target, f)}" for f in shape]
+          + [f"--drafter.model.{f}={getattr(draft, f)}" for f in shape]
+          + ([f"--task.min_digits={TASK.min_digits}", f"--task.max_digits={TASK.max_digits}"]
+             if own_task else []))
+
+
+def use_as_warm_start(session, target: sj.Transformer, draft: sj.Transformer) -> None:
+  """Writes ``target`` and ``draft`` where ``session`` (an ``rl.app`` Session whose
+  shapes are ``experiment_overrides``') loads its warm start from, under the key of its
+  configuration, so that they are used rather than rebuilt."""
+  import shutil
+  from specrl_jax import checkpoint
+  from specrl_jax.rl.app import run_directory
+  warm = Path(session.config.output.directory) / "warm_start"
+  if warm.exists():
+    shutil.rmtree(warm)
+  checkpoint.save_model(str(warm / "policy"), target)
+  checkpoint.save_model(str(warm / "draft"), draft)
+  run_directory.write_json(str(warm / run_directory.WARM_START_KEY),
+                           run_directory.warm_start_key(session.record))
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--force", action="store_true", help="retrain even when cached")
