@@ -5,7 +5,8 @@ wins, plain decoding unless a drafting shape beats it by min_gain; a losing shap
 re-tried at doubling intervals; acceptance is counted per position as the host
 controller counts it; a forced shape (calibration) always runs. The refresh from a
 rollout's own time rescales only the cells it ran; bad menus and cost tables are
-refused by name."""
+refused by name. Calibration times each shape after an untimed first pass and never
+lets a narrower width cost more per round than a wider one."""
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ from specrl_jax.speculative.expected import expected_tokens_per_round
 from specrl_jax.speculative.inloop import (
     InLoopConfig, InLoopState, acceptance_rates, best_shape, choose, expected_tokens_S, observe,
 )
-from specrl_jax.speculative.inloop_calibration import refresh
+from specrl_jax.sampling.results import GenerateOutput
+from specrl_jax.speculative.inloop_calibration import refresh, time_shapes
 
 CONFIG = InLoopConfig(k_max=3, trees=((2, 1),), explore_every=2)
 SHAPES = len(CONFIG.shapes)  # plain, k1, k2, k3, tree 2x1
@@ -106,6 +108,26 @@ def test_a_refresh_rescales_the_cells_a_rollout_ran_by_their_share_only():
   new = refresh(cost, 1.0, rounds, 21.0, weight=1.0)
   np.testing.assert_allclose(new, [[2.0, 0.5], [2.0, 1.0]], rtol=1e-6)
   np.testing.assert_allclose(refresh(cost, 1.0, np.zeros((2, 2)), 5.0), cost)
+
+
+def test_calibration_skips_each_shapes_first_pass_and_caps_narrow_widths_by_wider_ones():
+  """A stage's first run pays one-time costs; the narrow stages see a handful of rounds."""
+  config = InLoopConfig(k_max=1)  # plain, k1
+  passes = []
+
+  def run(controller, rng):  # a rollout at widths (4, 2): its stages' seconds and rounds
+    first = len(passes) < 2
+    passes.append(int(controller.force))
+    seconds_W = [10.0, 9.0] if first else [1.0 + int(controller.force), 0.6]
+    stats = {"seconds": sum(seconds_W), "compaction": {
+        "widths": [4, 2], "seconds_by_width": seconds_W, "rounds_by_width": [10, 2]}}
+    return GenerateOutput(tokens=np.zeros((1, 1)), lengths=np.ones(1), logprobs=np.zeros((1, 1)),
+                          stats=stats)
+
+  calibration = time_shapes(run, config, (4, 2), rng=jax.random.key(0), repeats=1)
+  assert passes == [0, 1, 0, 1]  # an untimed pass, then the timed one
+  # plain 0.1 s a round at width 4, 0.3 measured at width 2 over 2 rounds: capped to 0.1.
+  np.testing.assert_allclose(calibration.cost_SxW, [[0.1, 0.1], [0.2, 0.2]], rtol=1e-6)
 
 
 @pytest.mark.parametrize("fields,fragment", [

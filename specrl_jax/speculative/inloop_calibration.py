@@ -2,8 +2,9 @@
 
 ``calibrate`` runs a rollout of each menu shape alone (``InLoopState.force``) through
 the in-loop round hook on the device the run uses, one compiled program per width
-(slot compaction's stages, each timed from dispatch to read-back, compiling
-excluded), and divides each width's seconds by its rounds. A width a shape's rollout
+(slot compaction's stages, each timed from dispatch to read-back, compiling and a
+first untimed pass excluded), and divides each width's seconds by its rounds; a
+narrower width's cost is capped by the wider one's. A width a shape's rollout
 never reached (its sequences ended together) takes the nearest measured width's
 seconds of that shape. ``fixed_seconds`` is what the same rollouts spent outside the
 rounds (prefill, dispatch, read-back).
@@ -71,16 +72,24 @@ def time_shapes(run: Callable[[InLoopState, jax.Array], GenerateOutput], config:
   base = InLoopState.initial(config, np.ones((shapes, len(widths))))
   samples: list[list[np.ndarray]] = [[] for _ in range(shapes)]
   fixed: list[float] = []
-  for repeat in range(repeats):
+  # One untimed pass first: a stage program's first run pays one-time costs that the
+  # narrow stages' few rounds cannot amortise (38M pair, width 2: 166 ms for 6 rounds on
+  # the first pass, 13-15 ms a round after; docs/results.md, "In-loop adaptive").
+  for repeat in range(-1, repeats):
     for shape in range(shapes):
       out = run(base.replace(force=jnp.int32(shape)),
-                jax.random.fold_in(rng, repeat * shapes + shape))
+                jax.random.fold_in(rng, (repeat + 1) * shapes + shape))
+      if repeat < 0:
+        continue
       seconds_W, rounds_W = _per_width(out, len(widths))
       with np.errstate(invalid="ignore", divide="ignore"):
         samples[shape].append(np.where(rounds_W > 0, seconds_W / np.maximum(rounds_W, 1),
                                        np.nan))
       fixed.append(max(out.stats["seconds"] - float(seconds_W.sum()), 0.0))
   cost_SxW = np.stack([_fill(_median(rows), config.labels[s]) for s, rows in enumerate(samples)])
+  # A round over fewer rows does no more work than over more: the narrow stages, timed
+  # over a handful of rounds, are capped by the wider width's measurement.
+  cost_SxW = np.minimum.accumulate(cost_SxW, axis=1)
   return Calibration(cost_SxW=cost_SxW.astype(np.float32), fixed_seconds=float(np.median(fixed)),
                      widths=tuple(widths))
 
