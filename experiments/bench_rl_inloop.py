@@ -15,7 +15,7 @@ controller's first measurements).
 
   python experiments/bench_rl_inloop.py [--policy demo|small|medium] [--task longtail|arithmetic]
       [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1] [--num-slots 4]
-      [--prompts-per-step 16] [--set=--SECTION.FIELD=VALUE ...]
+      [--prompts-per-step 16] [--forced] [--set=--SECTION.FIELD=VALUE ...]
 
 --policy demo: the demo preset's 11.5M policy and 128 x 1 drafter (a forward bound by
 reading the weights at few rows), warm-started on --task; small: common.SMALL_DEMO's
@@ -30,6 +30,7 @@ the exploration rounds.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -38,6 +39,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -67,6 +69,9 @@ def _parse(argv=None):
   parser.add_argument("--num-slots", type=int, default=4)
   parser.add_argument("--prompts-per-step", type=int, default=16)
   parser.add_argument("--out", default="runs/bench_rl_inloop")
+  parser.add_argument("--forced", action="store_true",
+                      help="also the adaptive program forced to chain k=K every round: "
+                      "what the in-loop machinery costs at a fixed shape")
   parser.add_argument("--set", action="append", default=[], metavar="--SECTION.FIELD=VALUE")
   return parser.parse_args(argv)
 
@@ -130,6 +135,13 @@ def main(argv=None) -> int:
   specs.update({f"chain_k{k}": dict(num_draft_tokens=k) for k in range(1, args.k + 1)})
   specs["adaptive"] = dict(adaptive=True, adaptive_trees=trees)
   arms = [Arm(name, base, models, spec) for name, spec in specs.items()]
+  if args.forced:  # the adaptive arm's program and controller, its shape pinned
+    forced = copy.copy(arms[-1])
+    labels = shape_labels(forced.state.controller)
+    forced.name = f"adaptive_forced_k{args.k}"
+    forced.state = forced.state.replace(controller=forced.state.controller.replace(
+        force=jnp.int32(labels.index(f"chain_k{args.k}"))))
+    arms.insert(len(arms) - 1, forced)
   for step in range(args.warmup):
     for arm in arms:
       arm.roll_out(step)
@@ -156,6 +168,10 @@ def main(argv=None) -> int:
         "response_length_mean": statistics.median(
             r["response_length_mean"] for r in records[arm.name])}
   adaptive = arms[-1]
+  if args.forced:
+    report["inloop_over_fixed_at_k"] = statistics.median(
+        [a / b for a, b in zip(seconds[f"adaptive_forced_k{args.k}"],
+                               seconds[f"chain_k{args.k}"])])
   labels = shape_labels(adaptive.state.controller)
   report["arms"]["adaptive"].update(
       shape_labels=labels,
