@@ -29,8 +29,8 @@ from specrl_jax.rl.app.session import Session
 from specrl_jax.rl.loop.drafter_memory import rollout_memory
 
 # The demo's first sizes (a 1.2M policy, 8 slots), where no drafter paid, and the sizes
-# it has now (the preset: 11.5M policy, 4 slots). SMALL[5:9] is the first drafter alone.
-SMALL = common.SMALL_DEMO
+# it has now (the preset: 11.5M policy, 4 slots).
+SMALL, SMALL_DRAFTER = common.SMALL_DEMO, common.SMALL_DEMO_DRAFTER
 WIDE = ["--policy.hidden_size=512", "--policy.intermediate_size=1536", "--policy.num_layers=2",
         "--policy.num_heads=8", "--policy.head_dim=64"]
 M768 = ["--policy.hidden_size=768", "--policy.intermediate_size=2048", "--policy.num_layers=2",
@@ -41,12 +41,12 @@ SHAPES = {
     "192x3_s4_k2": SMALL + ["--rl.engine.num_slots=4", "--drafter.num_draft_tokens=2"],
     "192x3_s2": SMALL + ["--rl.engine.num_slots=2"],
     "192x3_s8_history": SMALL + ["--drafter.kind=history"],
-    "512x2_s8": SMALL[5:9] + WIDE + ["--rl.engine.num_slots=8"],
-    "512x2_s4": SMALL[5:9] + WIDE + ["--rl.engine.num_slots=4"],
-    "768x2_s4": SMALL[5:9] + M768 + ["--rl.engine.num_slots=4"],
-    "768x2_s2": SMALL[5:9] + M768 + ["--rl.engine.num_slots=2"],
-    "512x3_s4_k3": SMALL[5:9],  # the demo's policy and slots, the old drafter
-    "512x3_s2_k3": SMALL[5:9] + ["--rl.engine.num_slots=2"],
+    "512x2_s8": SMALL_DRAFTER + WIDE + ["--rl.engine.num_slots=8"],
+    "512x2_s4": SMALL_DRAFTER + WIDE + ["--rl.engine.num_slots=4"],
+    "768x2_s4": SMALL_DRAFTER + M768 + ["--rl.engine.num_slots=4"],
+    "768x2_s2": SMALL_DRAFTER + M768 + ["--rl.engine.num_slots=2"],
+    "512x3_s4_k3": SMALL_DRAFTER,  # the demo's policy and slots, the old drafter
+    "512x3_s2_k3": SMALL_DRAFTER + ["--rl.engine.num_slots=2"],
     "demo": [],  # the preset as it is
 }
 
@@ -61,7 +61,7 @@ def main(names) -> int:
     drafter, online = session.drafter_for(models)
     memory = rollout_memory(drafter)
     draft_params = (online.trainable if online else
-                    {"bank": memory.arrays()} if memory else ())
+                    memory.place(drafter.params(), memory.arrays()) if memory else ())
     started = time.perf_counter()
     check = RolloutArms(session, models).measure(nnx.split(models.policy)[1], draft_params,
                                                   repeats=5)

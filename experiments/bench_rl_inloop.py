@@ -126,8 +126,7 @@ def main(argv=None) -> int:
   log = lambda message: print(message, file=sys.stderr, flush=True)
   base = Session(experiment_config("demo", overrides + args.set), log=log)
   if args.policy == "medium":  # the pair's target; its drafter distilled on this task
-    target, _ = spec_pair.load_or_train(size="medium")
-    spec_pair.use_as_warm_start(base, target, spec_pair.load_or_distill_for_task(
+    spec_pair.use_as_warm_start(base, *spec_pair.load_or_distill_for_task(
         base.task, "medium", steps=args.distill_steps))
   models = base.warm_start()
   trees = tuple(t for t in args.trees.split(",") if t)

@@ -15,13 +15,15 @@ import numpy as np
 # which bench_rl's --policy tiny, reward_curves and bench_demo_round_cost keep so that
 # their recorded figures stay reproducible after the demo grew (docs/results.md, "Demo
 # round cost"). Overrides on top of the demo preset.
-SMALL_DEMO = [
+SMALL_DEMO_POLICY = [
     "--policy.hidden_size=192", "--policy.intermediate_size=512", "--policy.num_layers=3",
-    "--policy.num_heads=6", "--policy.head_dim=32", "--drafter.model.hidden_size=64",
-    "--drafter.model.intermediate_size=128", "--drafter.model.num_heads=2",
-    "--drafter.num_draft_tokens=3", "--warm_start.sft_steps=150",
-    "--warm_start.sft_learning_rate=5e-3", "--warm_start.distill_steps=100",
-    "--rl.engine.num_slots=8"]
+    "--policy.num_heads=6", "--policy.head_dim=32"]
+SMALL_DEMO_DRAFTER = [
+    "--drafter.model.hidden_size=64", "--drafter.model.intermediate_size=128",
+    "--drafter.model.num_heads=2", "--drafter.num_draft_tokens=3"]
+SMALL_DEMO = SMALL_DEMO_POLICY + SMALL_DEMO_DRAFTER + [
+    "--warm_start.sft_steps=150", "--warm_start.sft_learning_rate=5e-3",
+    "--warm_start.distill_steps=100", "--rl.engine.num_slots=8"]
 ARTIFACTS = Path(os.environ.get("SPECRL_ARTIFACTS", Path(__file__).resolve().parent.parent / "artifacts"))
 
 

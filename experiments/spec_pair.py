@@ -145,16 +145,16 @@ def load_or_train_heads(target: sj.Transformer, size: str = "small", *,
 
 
 def load_or_distill_for_task(task, size: str, steps: int = 150, *, force: bool = False
-                             ) -> sj.Transformer:
-  """The pair's draft model distilled further, ``steps`` more SFT steps, from its target's
-  distributions on ``task``'s worked solutions (cached in draft_<task name>/): a drafter
-  that has seen the task's inputs, e.g. the long tail's 5-16 digit operands that the
-  pair's own 2-4 digit task never shows."""
+                             ) -> tuple[sj.Transformer, sj.Transformer]:
+  """(target, draft): the pair's target, and its draft model distilled further, ``steps``
+  more SFT steps, from the target's distributions on ``task``'s worked solutions (cached
+  in draft_<task name>/): a drafter that has seen the task's inputs, e.g. the long
+  tail's 5-16 digit operands that the pair's own 2-4 digit task never shows."""
   target, draft = load_or_train(size=size)
   name = f"draft_{task.name}_{task.min_digits}_{task.max_digits}"
   path = folder(size) / name
   if not force and (path / "config.json").exists():
-    return sj.load_hf(path)
+    return target, sj.load_hf(path)
   start = time.perf_counter()
   draft, losses = train_sft(draft, task, SFTConfig(steps=steps, batch_size=32,
                                                    learning_rate=3e-3, seed=2),
@@ -163,7 +163,7 @@ def load_or_distill_for_task(task, size: str, steps: int = 150, *, force: bool =
   (path / "training.json").write_text(json.dumps({
       "seconds": time.perf_counter() - start, "steps": steps, "first_loss": losses[0],
       "final_loss": losses[-1]}, indent=2))
-  return draft
+  return target, draft
 
 
 def experiment_overrides(size: str, own_task: bool = True) -> list[str]:
