@@ -15,7 +15,7 @@ controller's first measurements).
 
   python experiments/bench_rl_inloop.py [--policy demo|small|medium] [--task longtail|arithmetic]
       [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1] [--num-slots 4]
-      [--prompts-per-step 16] [--forced] [--set=--SECTION.FIELD=VALUE ...]
+      [--prompts-per-step 16] [--fixed 2,4] [--forced 3,4] [--set=--SECTION.FIELD=VALUE ...]
 
 --policy demo: the demo preset's 11.5M policy and 128 x 1 drafter (a forward bound by
 reading the weights at few rows), warm-started on --task; small: common.SMALL_DEMO's
@@ -60,6 +60,14 @@ def _parse(argv=None):
   parser.add_argument("--policy", choices=("demo", "small", "medium"), default="demo")
   parser.add_argument("--distill-steps", type=int, default=150,
                       help="--policy medium: draft model steps distilled on the task")
+  parser.add_argument("--drafter-data", choices=("rollouts", "solutions"), default="rollouts",
+                      help="--policy medium: the draft model further distilled on the "
+                      "target's own rollouts of --task (default), or only on its worked "
+                      "solutions")
+  parser.add_argument("--step-share", action="store_true",
+                      help="also time the adaptive arm's whole sync RL step (rollout and "
+                      "learner) on a copy of its state, untimed for the ratios: the "
+                      "generation share of the step")
   parser.add_argument("--task", choices=("longtail", "arithmetic"), default="longtail")
   parser.add_argument("--tail-exponent", type=float, default=1.0)
   parser.add_argument("--steps", type=int, default=6)
@@ -69,9 +77,13 @@ def _parse(argv=None):
   parser.add_argument("--num-slots", type=int, default=4)
   parser.add_argument("--prompts-per-step", type=int, default=16)
   parser.add_argument("--out", default="runs/bench_rl_inloop")
-  parser.add_argument("--forced", action="store_true",
-                      help="also the adaptive program forced to chain k=K every round: "
-                      "what the in-loop machinery costs at a fixed shape")
+  parser.add_argument("--forced", default="",
+                      help="chain lengths, e.g. 0,3,4 (0: plain): also the adaptive program "
+                      "forced to each every round (what the in-loop machinery costs at a "
+                      "fixed shape)")
+  parser.add_argument("--fixed", default="",
+                      help="the fixed chains to run, e.g. 2,4 (default 1..K; none: no fixed "
+                      "chain)")
   parser.add_argument("--set", action="append", default=[], metavar="--SECTION.FIELD=VALUE")
   return parser.parse_args(argv)
 
@@ -111,6 +123,14 @@ class Arm:
       self.state = self.state.replace(controller=trajectories.controller)
     return record, seconds
 
+  def step_seconds(self, step: int) -> float:
+    """Seconds of the whole sync RL step on a copy of the state (the step donates it)."""
+    prompts = prompts_on_mesh(self.session.step_prompts(step), self.mesh)
+    state = jax.tree.map(jnp.copy, self.state)
+    started = time.perf_counter()
+    jax.block_until_ready(self.program.rl_step(state, prompts, self.session.step_rng(step)))
+    return time.perf_counter() - started
+
 
 def main(argv=None) -> int:
   args = _parse(argv)
@@ -125,33 +145,47 @@ def main(argv=None) -> int:
                   "--task.max_digits=16", f"--task.tail_exponent={args.tail_exponent}"]
   log = lambda message: print(message, file=sys.stderr, flush=True)
   base = Session(experiment_config("demo", overrides + args.set), log=log)
-  if args.policy == "medium":  # the pair's target; its drafter distilled on this task
+  if args.policy == "medium" and args.drafter_data == "rollouts":
+    # The pair's target; its drafter distilled on the target's own rollouts of this task.
+    spec_pair.use_as_warm_start(base, *spec_pair.load_or_distill_on_rollouts(
+        base.task, "medium", sampling=base.rollout_config.sampling))
+  elif args.policy == "medium":  # its drafter distilled on this task's worked solutions
     spec_pair.use_as_warm_start(base, *spec_pair.load_or_distill_for_task(
         base.task, "medium", steps=args.distill_steps))
   models = base.warm_start()
   trees = tuple(t for t in args.trees.split(",") if t)
   specs = {"plain": dict(kind="none")}
-  specs.update({f"chain_k{k}": dict(num_draft_tokens=k) for k in range(1, args.k + 1)})
+  fixed = (range(1, args.k + 1) if not args.fixed else []
+           if args.fixed == "none" else [int(k) for k in args.fixed.split(",")])
+  specs.update({f"chain_k{k}": dict(num_draft_tokens=k) for k in fixed})
   specs["adaptive"] = dict(adaptive=True, adaptive_trees=trees)
   arms = [Arm(name, base, models, spec) for name, spec in specs.items()]
-  if args.forced:  # the adaptive arm's program and controller, its shape pinned
+  forced_ks = [int(k) for k in args.forced.split(",") if k]
+  for k in forced_ks:  # the adaptive arm's program and controller, its shape pinned
     forced = copy.copy(arms[-1])
     labels = shape_labels(forced.state.controller)
-    forced.name = f"adaptive_forced_k{args.k}"
+    label = f"chain_k{k}" if k else "plain"
+    forced.name = f"adaptive_forced_{label}"
     forced.state = forced.state.replace(controller=forced.state.controller.replace(
-        force=jnp.int32(labels.index(f"chain_k{args.k}"))))
+        force=jnp.int32(labels.index(label))))
     arms.insert(len(arms) - 1, forced)
   for step in range(args.warmup):
     for arm in arms:
       arm.roll_out(step)
+    if args.step_share:
+      arms[-1].step_seconds(step)  # compiles the whole step
   seconds = {arm.name: [] for arm in arms}
   records = {arm.name: [] for arm in arms}
+  step_seconds = []
   for step in range(args.warmup, args.warmup + args.steps):
     shift = step % len(arms)  # a rotating order: drifting load hits every arm alike
     for arm in arms[shift:] + arms[:shift]:
       record, took = arm.roll_out(step)
+      log(f"step {step} {arm.name}: {took:.2f} s")
       seconds[arm.name].append(took)
       records[arm.name].append(record)
+    if args.step_share:  # after the timed rollouts: it advances nothing the arms carry
+      step_seconds.append(arms[-1].step_seconds(step))
   report = {"benchmark": "bench_rl_inloop", "args": vars(args),
             "policy_params": models.policy.config.num_params(), "load": os.getloadavg(),
             "arms": {}}
@@ -165,26 +199,45 @@ def main(argv=None) -> int:
         "acceptance_length": statistics.median(
             r["acceptance_length"] for r in records[arm.name]),
         "response_length_mean": statistics.median(
-            r["response_length_mean"] for r in records[arm.name])}
+            r["response_length_mean"] for r in records[arm.name]),
+        # The round-cost breakdown: rounds and tokens per width (summed over the timed
+        # steps) and seconds per round, to tell a shape's cost from how many rounds ran.
+        "rounds_by_width": np.sum([r["rounds_by_width"] for r in records[arm.name]],
+                                  axis=0).tolist(),
+        "tokens_by_width": np.sum([r["tokens_by_width"] for r in records[arm.name]],
+                                  axis=0).tolist(),
+        "ms_per_round": 1e3 * sum(seconds[arm.name]) / max(
+            1, sum(sum(r["rounds_by_width"]) for r in records[arm.name]))}
   adaptive = arms[-1]
-  if args.forced:
-    report["inloop_over_fixed_at_k"] = statistics.median(
-        [a / b for a, b in zip(seconds[f"adaptive_forced_k{args.k}"],
-                               seconds[f"chain_k{args.k}"])])
+  # The in-loop program pinned to a shape over that shape's own program (plain: the
+  # plain rollout), step by step: what choosing inside the loop costs at a fixed shape.
+  pairs = {f"chain_k{k}" if k else "plain": f"adaptive_forced_{f'chain_k{k}' if k else 'plain'}"
+           for k in forced_ks}
+  report["inloop_over_fixed"] = {
+      own: statistics.median([a / b for a, b in zip(seconds[forced], seconds[own])])
+      for own, forced in pairs.items() if own in seconds}
   labels = shape_labels(adaptive.state.controller)
   report["arms"]["adaptive"].update(
       shape_labels=labels,
       shape_by_width_per_step=[[labels[i] if i >= 0 else None for i in r["inloop_shape_by_width"]]
                                for r in records["adaptive"]],
+      rounds_by_shape_and_width={label: np.sum(
+          [r[f"inloop_rounds_{label}"] for r in records["adaptive"]], axis=0).tolist()
+          for label in labels},
       exploration_rounds_per_step=[r["inloop_exploration_rounds"] for r in records["adaptive"]],
       round_seconds_ms={label: [1e3 * x for x in records["adaptive"][-1][
           f"inloop_round_seconds_{label}"]] for label in labels},
       acceptance_per_position=records["adaptive"][-1]["inloop_acceptance"])
+  if step_seconds:
+    report["adaptive_step_seconds"] = step_seconds
+    report["generation_share_of_step"] = statistics.median(
+        [r / s for r, s in zip(seconds["adaptive"], step_seconds)])
   fixed = [name for name in seconds if name.startswith("chain_")]
-  best = min(fixed, key=lambda name: statistics.median(seconds[name]))
-  report["best_fixed"] = best
-  report["adaptive_vs_best_fixed"] = statistics.median(
-      [b / a for a, b in zip(seconds["adaptive"], seconds[best])])
+  if fixed:
+    best = min(fixed, key=lambda name: statistics.median(seconds[name]))
+    report["best_fixed"] = best
+    report["adaptive_vs_best_fixed"] = statistics.median(
+        [b / a for a, b in zip(seconds["adaptive"], seconds[best])])
   report["adaptive_vs_plain"] = report["arms"]["adaptive"]["speedup_vs_plain_median"]
   print(json.dumps(report, indent=2))
   return 0

@@ -166,6 +166,42 @@ def load_or_distill_for_task(task, size: str, steps: int = 150, *, force: bool =
   return target, draft
 
 
+def load_or_distill_on_rollouts(task, size: str, *, sampling: sj.SamplingParams,
+                                rollouts: int = 512, updates: int = 300, force: bool = False
+                                ) -> tuple[sj.Transformer, sj.Transformer]:
+  """(target, draft): the pair's target, and its draft model distilled ``updates`` more
+  steps on ``rollouts`` of the target's own responses to ``task``'s prompts at
+  ``sampling`` (what an RL rollout of this policy asks the drafter to predict; cached
+  in draft_rollouts_<task>/). Starts from ``load_or_distill_for_task``'s drafter."""
+  import jax
+  import numpy as np
+  from specrl_jax.speculative.drafters import training
+  target, draft = load_or_distill_for_task(task, size)
+  name = f"draft_rollouts_{task.name}_{task.min_digits}_{task.max_digits}"
+  path = folder(size) / name
+  if not force and (path / "config.json").exists():
+    return target, sj.load_hf(path)
+  start = time.perf_counter()
+  rng = np.random.default_rng(12)
+  # Prompts the benchmark's steps do not use (they sample from the task with seeds 0..).
+  prompts = [task.sample(rng).prompt_ids(task.tokenizer) for _ in range(rollouts)]
+  data = training.rollout_data(target, prompts, sampling=sampling, rng=jax.random.key(12),
+                               engine=sj.EngineConfig(num_slots=64))
+  generated = time.perf_counter() - start
+  draft, history = training.distill_draft_model(
+      draft, target, data, sampling=sampling,
+      config=training.DrafterTrainingConfig(num_updates=updates, batch_size=32,
+                                            learning_rate=1e-3, warmup_updates=20, seed=12),
+      log_every=50, log=lambda record: print(f"  distill {record}", file=sys.stderr))
+  sj.save_hf(draft, path, tokenizer=tokenizer.builtin_tokenizer())
+  (path / "training.json").write_text(json.dumps({
+      "seconds": time.perf_counter() - start, "rollout_seconds": generated,
+      "rollouts": rollouts, "response_tokens": int(data.response_mask.sum()),
+      "updates": updates, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"]},
+      indent=2))
+  return target, draft
+
+
 def experiment_overrides(size: str, own_task: bool = True) -> list[str]:
   """The size's target and draft model shapes, and (own_task) the pair's task, as
   ``specrl train`` overrides of the experiment's policy, drafter and task."""

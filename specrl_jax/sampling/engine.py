@@ -325,56 +325,6 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
   return state
 
 
-RoundFn = Callable[[DecodeState], DecodeState]
-
-
-def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn,
-             sampling: SamplingParams, *, continuous: bool,
-             on_admit: AdmitHook | None = None, max_rounds: int | Array | None = None,
-             until_live: int | None = None) -> DecodeState:
-  """Decodes until every request has finished or the page pool ran out (or after
-  ``max_rounds`` rounds, or once at most ``until_live`` sequences are decoding or
-  waiting: slot compaction then narrows the batch)."""
-  num_requests = count_requests(prompts)
-
-  def pending(state):
-    busy = ~is_done(state, num_requests)
-    if until_live is None:
-      return busy
-    return busy & (live_sequences(state, num_requests) > until_live)
-
-  # No lax.cond around these steps: a cond's untaken identity branch copies its whole
-  # operand, i.e. every KV page, on each iteration. Each step is a no-op when its masks
-  # are empty, which is cheap.
-  def body(state):
-    state = release_finished(state)
-    state = admit(state, prompts, sampling, continuous=continuous, on_admit=on_admit)
-    return count_request_rounds(round_fn(state), state.active_N, state.slot_request_N)
-
-  if max_rounds is None:
-    state = jax.lax.while_loop(pending, body, state)
-  else:
-    _, state = jax.lax.while_loop(lambda carry: (carry[0] < max_rounds) & pending(carry[1]),
-                                  lambda carry: (carry[0] + 1, body(carry[1])),
-                                  (jnp.int32(0), state))
-  # The loop stops as soon as the last sequence ends, before the body that would
-  # release it (and run a round with no active slot).
-  return release_finished(state)
-
-
-def count_request_rounds(state: DecodeState, active_N: Array, request_N: Array) -> DecodeState:
-  """Adds the round just run to the count of each request that decoded in it: a batch
-  runs until its slowest request ends, so per-request rounds say which ones set the
-  pace (e.g. prompts a drafter predicts badly)."""
-  rounds_R = state.counters["request_rounds_R"]
-  rows_N = jnp.where(active_N, request_N, rounds_R.shape[0])
-  # And the round to the count of rounds with that many live slots (the tail's shape).
-  by_live = state.counters["rounds_by_live"]
-  counters = dict(state.counters, request_rounds_R=rounds_R.at[rows_N].add(1, mode="drop"),
-                  rounds_by_live=by_live.at[jnp.sum(active_N)].add(1, mode="drop"))
-  return state.replace(counters=counters)
-
-
 def count_requests(prompts: Prompts) -> Array:
   """Requests to decode: the first ones of ``prompt_of_request_R``, whose padding rows
   (-1, after every real request) are never admitted. Padding lets calls with nearby

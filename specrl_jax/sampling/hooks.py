@@ -17,7 +17,8 @@ from jax import Array
 from specrl_jax.config import SamplingParams
 from specrl_jax.kv.paged import PagedKV
 from specrl_jax.models.transformer import ForwardOutput, Transformer
-from specrl_jax.sampling.engine import AdmitHook, DecodeState, RoundFn
+from specrl_jax.sampling.decode_loop import RoundFn, RoundMenu
+from specrl_jax.sampling.engine import AdmitHook, DecodeState
 
 # The hook's traced pytrees: its weights (``params()``, passed to the programs as
 # ``hook_params``) and its per-slot state (leading axis = slots, for compaction).
@@ -49,9 +50,11 @@ class RoundHook(Protocol):
     prefill, whose target forward is ``target_output``."""
 
   def loop(self, model: Transformer, hook_params: HookParams, state: DecodeState,
-           sampling: SamplingParams) -> tuple[DecodeState, RoundFn, AdmitHook | None]:
+           sampling: SamplingParams
+           ) -> tuple[DecodeState, RoundFn | RoundMenu, AdmitHook | None]:
     """(state brought in step, the round function, the admission hook) of a decode
-    loop; the round function emits at least one token per active slot."""
+    loop; the round function emits at least one token per active slot. A hook that
+    picks among kinds of round per round returns a ``RoundMenu`` (``decode_loop``)."""
 
   def compact_state(self, hook_state: HookState, slots_W: Array) -> HookState:
     """Its state of the slots ``slots_W`` that a narrower program keeps."""

@@ -26,7 +26,8 @@ from specrl_jax.kernels.dispatch import resolve_attention
 from specrl_jax.kv import pool as page_pool
 from specrl_jax.kv.paged import PagedKV, init_pages
 from specrl_jax.sampling.compaction import compact, compaction_stats, stage_widths
-from specrl_jax.sampling.engine import DecodeState, Prompts, is_done, live_sequences, run_loop
+from specrl_jax.sampling.decode_loop import run_loop
+from specrl_jax.sampling.engine import DecodeState, Prompts, is_done, live_sequences
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.sampling import sharded
 from specrl_jax.sampling.prefill import prefill

@@ -3,8 +3,9 @@
 ``ConcurrencyAwareController`` (``speculative.concurrency``) chooses between batches of
 rounds on the host; an RL step is one compiled program, so here the same decision rule
 runs traced, once per round: a small menu (plain decoding, chains of k = 1..K drafts,
-at most two trees) shares one decode state built for the longest chain, and
-``lax.switch`` runs the chosen shape's round on it. Every branch is a lossless round
+at most two trees) shares one decode state built for the longest chain, and the decode
+loop runs the chosen shape's round on it (a ``sampling.decode_loop.RoundMenu``: one
+inner loop per run of rounds of a shape, so the page pool is not copied every round). Every branch is a lossless round
 on the same state, so the output's distribution never depends on the choice.
 
 The rule is the host controller's arithmetic: a chain of k drafts emits
@@ -37,6 +38,7 @@ import numpy as np
 from specrl_jax.config import SamplingParams, check
 from specrl_jax.kv.paged import LayerOffset
 from specrl_jax.models.transformer import Transformer
+from specrl_jax.sampling.decode_loop import RoundMenu
 from specrl_jax.sampling.engine import DecodeState
 from specrl_jax.sampling.plain import plain_round
 from specrl_jax.speculative.catch_up import CHUNK
@@ -309,19 +311,30 @@ class InLoopSpeculation:
   def loop(self, model: Transformer, params, state: DecodeState, sampling: SamplingParams):
     drafter_params = params[0]
     width = self.widths.index(state.num_slots)
-    branches = [self._branch(model, drafter_params, shape, sampling)
-                for shape in self.config.shapes]
     config = self.config
 
-    def round_fn(s: DecodeState) -> DecodeState:
-      drafter_state, controller = s.drafter
-      shape, explores, controller = choose(config, controller, width)
-      before = s.counters
-      s = jax.lax.switch(shape, branches, s.replace(drafter=drafter_state))
-      accepted_Z = s.counters["accepted_per_position"] - before["accepted_per_position"]
-      drafting = s.counters["draft_rounds"] - before["draft_rounds"]
-      controller = observe(config, controller, width, shape, explores, accepted_Z, drafting)
-      return s.replace(drafter=(s.drafter, controller))
+    def chosen(s: DecodeState) -> Array:
+      return choose(config, s.drafter[1], width)[0]
+
+    def round_of(index: int, shape: Shape):
+      branch = self._branch(model, drafter_params, shape, sampling)
+
+      def round_fn(s: DecodeState) -> DecodeState:
+        drafter_state, controller = s.drafter
+        # The loop runs this kind only while it is the one chosen: this commits the
+        # choice (and the re-try schedule it advances).
+        _, explores, controller = choose(config, controller, width)
+        before = s.counters
+        s = branch(s.replace(drafter=drafter_state))
+        accepted_Z = s.counters["accepted_per_position"] - before["accepted_per_position"]
+        drafting = s.counters["draft_rounds"] - before["draft_rounds"]
+        controller = observe(config, controller, width, jnp.int32(index), explores, accepted_Z,
+                             drafting)
+        return s.replace(drafter=(s.drafter, controller))
+      return round_fn
+
+    menu = RoundMenu(rounds=tuple(round_of(i, shape) for i, shape in enumerate(config.shapes)),
+                     choose=chosen)
 
     def on_admit(s, admit_N, prompt_N, prompts):
       drafter_state, controller = s.drafter
@@ -329,7 +342,7 @@ class InLoopSpeculation:
                                             prompts.lengths_U[prompt_N])
       return s.replace(drafter=(drafter_state, controller))
 
-    return state, round_fn, on_admit
+    return state, menu, on_admit
 
   def _branch(self, model: Transformer, drafter_params, shape: Shape,
               sampling: SamplingParams):
