@@ -13,18 +13,25 @@ controller from step to step, as the RL step does. The weights stay the warm sta
 generation, not learning. ``--warmup`` untimed steps first (compiles, and the
 controller's first measurements).
 
-  python experiments/bench_rl_inloop.py [--policy demo|small|medium] [--task longtail|arithmetic]
-      [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1] [--num-slots 4]
-      [--prompts-per-step 16] [--fixed 2,4] [--forced 3,4] [--set=--SECTION.FIELD=VALUE ...]
+  python experiments/bench_rl_inloop.py [--policy tiny|demo|small|medium]
+      [--task longtail|arithmetic] [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1]
+      [--num-slots 4] [--prompts-per-step 16] [--fixed 2,4|none] [--forced 0,3,4]
+      [--drafter-data rollouts|solutions] [--step-share] [--set=--SECTION.FIELD=VALUE ...]
 
---policy demo: the demo preset's 11.5M policy and 128 x 1 drafter (a forward bound by
-reading the weights at few rows), warm-started on --task; small: common.SMALL_DEMO's
-1.2M policy (compute-bound on a CPU); medium: experiments/spec_pair.py's 38M target (SFT
-on 2-4 digits) with its draft model distilled --distill-steps more on --task's texts
-from the target's distributions (both cached under artifacts/). Prints one JSON object: per arm the median generation seconds, the
-per-step speed-ups over plain decoding (median and range), acceptance, and for the
-adaptive arm the shape that ran most at each width per step, the round-cost table and
-the exploration rounds.
+--policy tiny: the tiny (test) preset's policy and drafter shapes; demo: the demo
+preset's 11.5M policy and 128 x 1 drafter (a forward bound by reading the weights at
+few rows); small: common.SMALL_DEMO's 1.2M policy (compute-bound on a CPU); these are
+warm-started on --task. medium: experiments/spec_pair.py's 38M target (SFT on 2-4
+digits) with its draft model distilled on --task: by default further on 512 of the
+target's own rollouts of it (spec_pair.load_or_distill_on_rollouts), with
+--drafter-data solutions only on the task's worked solutions (both cached under
+artifacts/). --forced K runs the adaptive program pinned to chain K (0: plain) as an
+extra arm; --step-share also times the adaptive arm's whole sync step.
+
+Prints one JSON object: per arm the median generation seconds, the per-step speed-ups
+over plain decoding (median and range), acceptance, rounds and tokens per width and
+milliseconds per round; for the adaptive arm the shape that ran most at each width per
+step, rounds per shape and width, the round-cost table and the exploration rounds.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import spec_pair  # noqa: E402
 
-from specrl_jax.rl.app.experiment import experiment_config  # noqa: E402
+from specrl_jax.rl.app.experiment import PRESETS, experiment_config  # noqa: E402
 from specrl_jax.rl.app.train_command import Session  # noqa: E402
 from specrl_jax.rl.loop.rollout import rollout_metrics  # noqa: E402
 from specrl_jax.rl.loop.shape_control import (controller_metrics, shape_labels,  # noqa: E402
@@ -57,7 +64,7 @@ from specrl_jax.rl.loop.sync import build_program, prompts_on_mesh  # noqa: E402
 
 def _parse(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--policy", choices=("demo", "small", "medium"), default="demo")
+  parser.add_argument("--policy", choices=("tiny", "demo", "small", "medium"), default="demo")
   parser.add_argument("--distill-steps", type=int, default=150,
                       help="--policy medium: draft model steps distilled on the task")
   parser.add_argument("--drafter-data", choices=("rollouts", "solutions"), default="rollouts",
@@ -132,9 +139,18 @@ class Arm:
     return time.perf_counter() - started
 
 
+def preset_shapes(name: str) -> list[str]:
+  """Overrides giving the demo preset the policy and draft model shapes of ``name``."""
+  preset = PRESETS[name]
+  shape = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+           "head_dim")
+  return ([f"--policy.{f}={getattr(preset.policy, f)}" for f in shape]
+          + [f"--drafter.model.{f}={getattr(preset.drafter.model, f)}" for f in shape])
+
+
 def main(argv=None) -> int:
   args = _parse(argv)
-  sizes = {"demo": [], "small": common.SMALL_DEMO,
+  sizes = {"tiny": preset_shapes("tiny"), "demo": [], "small": common.SMALL_DEMO,
            "medium": spec_pair.experiment_overrides("medium", own_task=False)}
   overrides = sizes[args.policy] + [
       "--output.progress=false", "--output.plots=false", f"--output.directory={args.out}",

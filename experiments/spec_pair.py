@@ -167,7 +167,7 @@ def load_or_distill_for_task(task, size: str, steps: int = 150, *, force: bool =
 
 
 def load_or_distill_on_rollouts(task, size: str, *, sampling: sj.SamplingParams,
-                                rollouts: int = 512, updates: int = 300, force: bool = False
+                                rollouts: int = 512, updates: int = 200, force: bool = False
                                 ) -> tuple[sj.Transformer, sj.Transformer]:
   """(target, draft): the pair's target, and its draft model distilled ``updates`` more
   steps on ``rollouts`` of the target's own responses to ``task``'s prompts at
