@@ -23,9 +23,10 @@ from flax import nnx
 from specrl_jax.config import SamplingParams
 from specrl_jax.models.transformer import ForwardOutput
 from specrl_jax.rl.loop.learner import Batch, DrafterObjective
-from specrl_jax.sampling.warp import warped_log_probs
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.drafters.draft_model import DraftModel
+from specrl_jax.speculative.drafters.draft_model_offline import (
+    cross_entropy_BxT as draft_cross_entropy)
 from specrl_jax.speculative.drafters.hidden_state import HiddenStateDrafter
 from specrl_jax.speculative.drafters.history import History
 from specrl_jax.speculative.drafters.training_time_test import unrolled_loss
@@ -75,10 +76,8 @@ def _draft_model(drafter: DraftModel, *, sampling: SamplingParams, loss_weight: 
 
   def loss_fn(drafter_params, policy_output, batch: Batch):
     logits_BxTxV = nnx.merge(graphdef, drafter_params)(batch.tokens)[:, :-1]
-    target_BxTxV = jnp.exp(warped_log_probs(policy_output.logits[:, :-1], sampling))
-    log_q_BxTxV = jax.nn.log_softmax(logits_BxTxV / sampling.temperature)
-    cross_entropy_BxT = -jnp.sum(jnp.where(target_BxTxV > 0, target_BxTxV * log_q_BxTxV, 0.0),
-                                 axis=-1)
+    cross_entropy_BxT = draft_cross_entropy(logits_BxTxV, policy_output.logits[:, :-1],
+                                            sampling)
     # Position t drafts token t + 1: train where that token is a response token.
     mask_BxT = batch.response_mask[:, 1:].astype(jnp.float32)
     # A per-row constant normaliser keeps micro-batch means exact (DrafterObjective).

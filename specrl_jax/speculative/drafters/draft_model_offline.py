@@ -28,16 +28,24 @@ from specrl_jax.speculative.drafters.offline import DrafterTrainingConfig, Rollo
 Array = jax.Array
 
 
+def cross_entropy_BxT(draft_logits_BxTxV: Array, target_logits_BxTxV: Array,
+                      sampling: SamplingParams) -> Array:
+  """-sum_v p_target(v) log q_draft(v) at every position, both at ``sampling`` (the
+  rollouts' warp): the draft model's objective offline here and online in
+  ``rl.loop.online_drafters``."""
+  p_BxTxV = jnp.exp(warped_log_probs(target_logits_BxTxV, sampling))
+  log_q_BxTxV = jax.nn.log_softmax(draft_logits_BxTxV / sampling.temperature)
+  # Tokens the warp removed have p = 0 and may have log q = -inf: 0 * -inf is nan.
+  return -jnp.sum(jnp.where(p_BxTxV > 0, p_BxTxV * log_q_BxTxV, 0.0), axis=-1)
+
+
 def distillation_loss(draft: Transformer, target_logits_BxTxV: Array, tokens_BxT: Array,
                       response_mask_BxT: Array, sampling: SamplingParams) -> Array:
-  """Mean over response tokens of -sum_v p_target(v) log q_draft(v), both at the
-  rollouts' sampling (position t predicts token t + 1)."""
-  p_BxTxV = jnp.exp(warped_log_probs(target_logits_BxTxV[:, :-1], sampling))
-  log_q_BxTxV = jax.nn.log_softmax(draft(tokens_BxT)[:, :-1] / sampling.temperature)
-  # Tokens the warp removed have p = 0 and may have log q = -inf: 0 * -inf is nan.
-  cross_entropy_BxT = -jnp.sum(jnp.where(p_BxTxV > 0, p_BxTxV * log_q_BxTxV, 0.0), axis=-1)
+  """Mean of ``cross_entropy_BxT`` over response tokens (position t predicts t + 1)."""
+  per_token_BxT = cross_entropy_BxT(draft(tokens_BxT)[:, :-1], target_logits_BxTxV[:, :-1],
+                                    sampling)
   mask_BxT = response_mask_BxT[:, 1:].astype(jnp.float32)
-  return jnp.sum(cross_entropy_BxT * mask_BxT) / jnp.maximum(mask_BxT.sum(), 1.0)
+  return jnp.sum(per_token_BxT * mask_BxT) / jnp.maximum(mask_BxT.sum(), 1.0)
 
 
 def distill_draft_model(draft: Transformer, target: Transformer, data: RolloutData, *,

@@ -16,7 +16,8 @@ from specrl_jax.speculative.drafters.training_time_test import (
 
 __all__ = [
     "DrafterTrainingConfig", "HiddenStateDrafter", "LABELS", "RolloutData", "UnrollKV",
-    "build_draft_vocab", "distill_draft_model", "distillation_loss", "evaluate", "expected_acceptance_length", "load_drafter",
+    "build_draft_vocab", "distill_draft_model", "distillation_loss", "evaluate",
+    "expected_acceptance_length", "load_drafter",
     "make_update", "rollout_data", "save_drafter", "sequences_to_data", "target_forward",
     "train_offline", "unroll", "unrolled_loss",
 ]
