@@ -47,7 +47,7 @@ from specrl_jax.config import SamplingParams, SpecConfig  # noqa: E402
 from specrl_jax.models import tokenizer  # noqa: E402
 from specrl_jax.models.transformer import Transformer  # noqa: E402
 from specrl_jax.rl.algo.advantages import group_advantages  # noqa: E402
-from specrl_jax.rl.app.experiment import ModelSection  # noqa: E402
+from specrl_jax.rl.app.model_section import ModelSection  # noqa: E402
 from specrl_jax.rl.loop.sft import SFTConfig, train_sft  # noqa: E402
 from specrl_jax.rl.tasks import Arithmetic, make_prompt_set  # noqa: E402
 from specrl_jax.sampling.engine import EngineConfig  # noqa: E402

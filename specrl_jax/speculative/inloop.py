@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specrl_jax.config import SamplingParams, check
+from specrl_jax.config import SamplingParams, check, is_finite_number
 from specrl_jax.kv.paged import LayerOffset
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.decode_loop import RoundMenu
@@ -108,6 +108,8 @@ class InLoopState:
     drafts reached (position i is reached by the rounds that accepted i - 1);
   tree_accepted_T / tree_drafted_T: per tree, faded accepted drafts and drafting
     slot-rounds (one unused entry when the menu has no tree); cost_SxW: measured seconds per round of each shape at each width;
+  fixed_seconds: what a rollout spent outside its rounds when the table was measured
+    (prefill, dispatch): left out when a rollout's own time refreshes the table;
   rounds_SxW: rounds each shape ran at each width, over the run; probes_W: of those,
     the exploration rounds; last_SxW: the round clock when the shape last ran there
     (-1: never); since_probe_W / interval_W / best_W: the re-try schedule of each
@@ -119,6 +121,7 @@ class InLoopState:
   tree_accepted_T: Array
   tree_drafted_T: Array
   cost_SxW: Array
+  fixed_seconds: Array
   rounds_SxW: Array
   probes_W: Array
   last_SxW: Array
@@ -129,13 +132,15 @@ class InLoopState:
   force: Array
 
   @classmethod
-  def initial(cls, config: InLoopConfig, cost_SxW) -> "InLoopState":
+  def initial(cls, config: InLoopConfig, cost_SxW, fixed_seconds: float = 0.0) -> "InLoopState":
     cost_SxW = np.asarray(cost_SxW, np.float32)
     shapes = len(config.shapes)
     check(cost_SxW.ndim == 2 and cost_SxW.shape[0] == shapes, "InLoopState", "cost_SxW",
           cost_SxW.shape, f"seconds per round shaped [{shapes} shapes, widths]")
     check(bool(np.all(np.isfinite(cost_SxW)) and np.all(cost_SxW > 0)), "InLoopState",
           "cost_SxW", cost_SxW.tolist(), "finite positive seconds per round")
+    check(is_finite_number(fixed_seconds) and fixed_seconds >= 0, "InLoopState",
+          "fixed_seconds", fixed_seconds, "finite seconds >= 0")
     widths = cost_SxW.shape[1]
     # One tree slot even without trees: checkpoints cannot hold zero-size arrays.
     k, trees = config.k_max, max(len(config.trees), 1)
@@ -145,7 +150,8 @@ class InLoopState:
     return cls(accepted_Z=jnp.zeros((k,), jnp.float32), reached_Z=jnp.zeros((k,), jnp.float32),
                tree_accepted_T=jnp.zeros((trees,), jnp.float32),
                tree_drafted_T=jnp.zeros((trees,), jnp.float32),
-               cost_SxW=jnp.asarray(cost_SxW), rounds_SxW=jnp.zeros((shapes, widths), jnp.int32),
+               cost_SxW=jnp.asarray(cost_SxW), fixed_seconds=jnp.float32(fixed_seconds),
+               rounds_SxW=jnp.zeros((shapes, widths), jnp.int32),
                probes_W=zeros_W(), last_SxW=jnp.full((shapes, widths), -1, jnp.int32),
                since_probe_W=zeros_W(), interval_W=zeros_W() + config.explore_every,
                best_W=zeros_W(), clock=jnp.int32(0), force=jnp.int32(-1))

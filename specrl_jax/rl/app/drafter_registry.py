@@ -48,7 +48,8 @@ from specrl_jax.models.transformer import Transformer
 from specrl_jax.speculative.drafters.base import Drafter
 
 if TYPE_CHECKING:  # the config imports this module
-  from specrl_jax.rl.app.experiment import DrafterSection, ExperimentConfig
+  from specrl_jax.rl.app.drafter_section import DrafterSection
+  from specrl_jax.rl.app.experiment import ExperimentConfig
   from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 
 
@@ -133,7 +134,7 @@ def distils(config: "ExperimentConfig") -> bool:
 
 def warm_start_key(drafter_record: dict[str, Any]) -> dict[str, Any] | None:
   """The warm-start key's drafter part, from the section as JSON data."""
-  from specrl_jax.rl.app.experiment import DrafterSection
+  from specrl_jax.rl.app.drafter_section import DrafterSection
   from specrl_jax.rl.app.overrides import from_dict_of
   section = from_dict_of(DrafterSection, drafter_record)
   return drafter_kind(section.kind).warm_start_key(section)

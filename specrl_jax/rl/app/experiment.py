@@ -13,12 +13,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from specrl_jax.config import (ConfigError, ModelConfig, SamplingParams, SpecConfig, check,
-                               check_finite_number, check_non_negative_int,
-                               check_positive_int, is_finite_number)
+from specrl_jax.config import (ConfigError, SamplingParams, check, check_finite_number,
+                               check_non_negative_int, check_positive_int)
 from specrl_jax.models import tokenizer
 from specrl_jax.rl.app import drafter_registry
 from specrl_jax.rl.app.data_section import DataSection
+from specrl_jax.rl.app.drafter_section import DrafterSection  # noqa: F401 (re-exported)
+from specrl_jax.rl.app.model_section import ModelSection  # noqa: F401 (re-exported)
 from specrl_jax.rl.loop.learner import LearnerConfig
 from specrl_jax.rl.algo.losses import GRPOConfig
 from specrl_jax.rl.app import run_directory
@@ -27,109 +28,6 @@ from specrl_jax.rl.loop.rollout import RolloutConfig
 from specrl_jax.rl.tasks import TASKS, Task, make_task
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.drafters.history_store import HistoryConfig
-from specrl_jax.speculative.inloop import MAX_TREES
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSection:
-  """A decoder (the policy, or a draft model): a Hugging Face folder at ``path``
-  (its own tokenizer drives prompts, stop tokens and decoding), else ("") a fresh
-  model of these sizes over the built-in vocabulary."""
-  path: str = ""
-  hidden_size: int = 192  # width of the residual stream
-  intermediate_size: int = 512  # width of each MLP
-  num_layers: int = 3  # decoder blocks
-  num_heads: int = 6  # query heads
-  num_kv_heads: int = 2  # key/value heads (grouped-query attention)
-  head_dim: int = 32  # width of each head
-  seed: int = 0  # initialisation seed of a fresh model
-
-  def __post_init__(self):
-    check_non_negative_int("ModelSection", "seed", self.seed)
-    check(isinstance(self.path, str), "ModelSection", "path", self.path,
-          "a path to a Hugging Face model folder, or '' for a fresh built-in-vocabulary model")
-    self.model_config()  # its own checks name the bad size
-
-  def model_config(self, vocab_size: int = tokenizer.VOCAB_SIZE) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab_size, hidden_size=self.hidden_size,
-                       intermediate_size=self.intermediate_size, num_layers=self.num_layers,
-                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                       head_dim=self.head_dim, max_position_embeddings=512)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DrafterSection:
-  """The rollouts' drafter, by registry name (``rl.app.drafter_registry``):
-  kind: "none" (plain rollouts), "ngram", "history", "draft_model", "eagle3" or "mtp".
-  path: pretrained weights of a draft_model (a Hugging Face folder sharing the policy's
-    tokenizer), eagle3 (a SpecForge checkpoint or a saved head) or mtp (a saved head);
-    '' trains them: draft_model distilled from the policy in the warm start (drafter
-    ``model``'s sizes), eagle3 / mtp from scratch on the policy's hidden states.
-  online: learned drafters keep training on each step's rollouts during RL.
-  fallback: for kind "history", the kind that drafts where the history has no match
-    (path, model and online apply to it); history: the history drafter's sizes.
-
-  adaptive: choose the draft shape per round inside the compiled rollout
-  (``speculative.inloop``) among plain decoding, chains of 1..num_draft_tokens and
-  ``adaptive_trees`` (at most two, children per depth joined by "x", e.g.
-  ``--drafter.adaptive_trees=2x2x1,3x1``). round_seconds: the controller's round cost
-  table, seconds per round of each shape (rows: plain, chains, trees) at each width of
-  slot compaction (columns, widest first), row after row; empty: measured at the start
-  of the run on its own device (``speculative.inloop_calibration``) with
-  ``calibration_repeats`` timed rollouts per shape."""
-  kind: str = "draft_model"
-  path: str = ""
-  fallback: str = "none"
-  num_draft_tokens: int = 3
-  online: bool = True
-  loss_weight: float = 1.0
-  model: ModelSection = ModelSection(hidden_size=64, intermediate_size=128, num_layers=1,
-                                     num_heads=2, num_kv_heads=1, head_dim=32, seed=1)
-  ngram_n: int = 3
-  history: HistoryConfig = HistoryConfig()
-  adaptive: bool = False
-  adaptive_trees: tuple[str, ...] = ()
-  round_seconds: tuple[float, ...] = ()
-  calibration_repeats: int = 1
-
-  def __post_init__(self):
-    owner = "DrafterSection"
-    drafter_registry.drafter_kind(self.kind)  # names the registered kinds
-    check(isinstance(self.path, str), owner, "path", self.path, "a folder path or ''")
-    check(isinstance(self.fallback, str), owner, "fallback", self.fallback, "a drafter kind")
-    check_positive_int(owner, "num_draft_tokens", self.num_draft_tokens)
-    check_finite_number(owner, "loss_weight", self.loss_weight, at_least=0)
-    check(isinstance(self.online, bool), owner, "online", self.online, "True or False")
-    check_positive_int(owner, "ngram_n", self.ngram_n)
-    check(isinstance(self.history, HistoryConfig), owner, "history", self.history,
-          "a HistoryConfig")
-    check(self.fallback == "none" or self.kind == "history", owner, "fallback",
-          self.fallback, "'none' unless kind='history'")
-    check(isinstance(self.model, ModelSection) and self.model.path == "", owner, "model.path",
-          getattr(self.model, "path", self.model),
-          "'' (a pretrained draft model is given by --drafter.path=HF_FOLDER)")
-    check(isinstance(self.adaptive, bool), owner, "adaptive", self.adaptive, "True or False")
-    check(not (self.adaptive and self.kind == "none"), owner, "adaptive", self.adaptive,
-          "False with kind='none' (adaptive speculation needs a drafter)")
-    check_positive_int(owner, "calibration_repeats", self.calibration_repeats)
-    check(all(is_finite_number(x) and x > 0 for x in self.round_seconds), owner,
-          "round_seconds", self.round_seconds, "positive seconds per round")
-    check(not (self.round_seconds or self.adaptive_trees) or self.adaptive, owner,
-          "adaptive", self.adaptive, "True when round_seconds or adaptive_trees are given")
-    self.spec()  # the menu's own checks (trees), now
-
-  def spec(self) -> SpecConfig:
-    """The rollouts' SpecConfig."""
-    trees = []
-    for text in self.adaptive_trees:
-      parts = text.split("x")
-      check(all(p.isdigit() for p in parts), "DrafterSection", "adaptive_trees", text,
-            "children per depth joined by 'x', e.g. 2x2x1")
-      trees.append(tuple(int(p) for p in parts))
-    check(len(trees) <= MAX_TREES, "DrafterSection", "adaptive_trees", self.adaptive_trees,
-          f"at most {MAX_TREES} trees")
-    return SpecConfig(num_draft_tokens=self.num_draft_tokens, adaptive=self.adaptive,
-                      adaptive_trees=tuple(trees))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -322,6 +220,11 @@ class ExperimentConfig:
     check(rows % micro == 0, "LearnerConfig", "num_micro_batches", micro,
           f"a divisor of the {rows} samples each learner replica trains on per step "
           f"(rl.group_size * rl.prompts_per_step / data-parallel replicas)")
+    # The sync step is one program: its rollout's seconds cannot be told from the
+    # learner's, so nothing would refresh the table.
+    check(not self.drafter.refresh_weight or self.rl.mode == "async", "DrafterSection",
+          "refresh_weight", self.drafter.refresh_weight,
+          "0 unless rl.mode='async' (a sync step does not time its rollout apart)")
 
   def learner_config(self) -> LearnerConfig:
     """The learner with decay_steps resolved (None: over the steps after warmup)."""

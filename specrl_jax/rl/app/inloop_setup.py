@@ -15,7 +15,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError
-from specrl_jax.rl.app.experiment import DrafterSection
+from specrl_jax.rl.app.drafter_section import DrafterSection
 from specrl_jax.rl.loop.rollout import RolloutConfig
 from specrl_jax.rl.loop.shape_calibration import calibrate_rollout, rollout_widths
 from specrl_jax.rl.loop.shape_control import with_controller
@@ -30,8 +30,9 @@ from specrl_jax.speculative.inloop_rollout import in_loop_config
 def round_cost_table(section: DrafterSection, policy: nnx.Module, drafter: Drafter,
                      rollout_config: RolloutConfig, rollout_mesh: Mesh, *,
                      prompts: PromptBatch, prompt_width: int, engine: EngineConfig,
-                     rng: jax.Array, log: Callable[[str], None]) -> np.ndarray:
-  """Seconds per round [shapes, widths]: ``section.round_seconds`` reshaped, or measured."""
+                     rng: jax.Array, log: Callable[[str], None]) -> tuple[np.ndarray, float]:
+  """(seconds per round [shapes, widths], seconds of a rollout outside its rounds):
+  ``section.round_seconds`` reshaped (and 0), or both measured."""
   spec = section.spec()
   widths = rollout_widths(policy.config, rollout_config, rollout_mesh,
                           prompt_width=prompt_width, drafter=drafter, spec=spec,
@@ -43,27 +44,28 @@ def round_cost_table(section: DrafterSection, policy: nnx.Module, drafter: Draft
           f"DrafterSection.round_seconds has {len(section.round_seconds)} entries: expected "
           f"{shapes} shapes x {len(widths)} widths {widths} = {shapes * len(widths)} "
           "(rows plain, chains, trees; columns widest first).")
-    return np.asarray(section.round_seconds, np.float32).reshape(shapes, len(widths))
+    return np.asarray(section.round_seconds, np.float32).reshape(shapes, len(widths)), 0.0
   graphdef, params = nnx.split(policy)
   calibration = calibrate_rollout(graphdef, params, drafter.params(), policy.config,
                                   rollout_config, rollout_mesh, prompts=prompts,
                                   prompt_width=prompt_width, drafter=drafter, spec=spec,
                                   engine=engine, rng=rng,
                                   repeats=section.calibration_repeats)
-  cost_SxW = calibration.cost_SxW
+  cost_SxW, fixed = calibration.cost_SxW, np.float32(calibration.fixed_seconds)
   if jax.process_count() > 1:  # every process must choose alike: process 0's timings
-    cost_SxW = np.asarray(multihost_utils.broadcast_one_to_all(cost_SxW))
+    cost_SxW, fixed = multihost_utils.broadcast_one_to_all((cost_SxW, fixed))
   labels = in_loop_config(spec).labels
   log("in-loop controller: round seconds measured per width "
       + ", ".join(f"{label} " + "/".join(f"{x * 1e3:.2f}" for x in row) + " ms"
                   for label, row in zip(labels, cost_SxW))
-      + f" at widths {widths}")
-  return cost_SxW
+      + f" at widths {widths}, {float(fixed) * 1e3:.1f} ms a rollout outside the rounds")
+  return np.asarray(cost_SxW), float(fixed)
 
 
-def add_controller(state: TrainState, section: DrafterSection, cost_SxW: np.ndarray,
-                   mesh: Mesh) -> TrainState:
-  return with_controller(state, section.spec(), cost_SxW, mesh)
+def add_controller(state: TrainState, section: DrafterSection,
+                   table: tuple[np.ndarray, float], mesh: Mesh) -> TrainState:
+  """``state`` with a fresh controller on ``round_cost_table``'s ``table``."""
+  return with_controller(state, section.spec(), table[0], mesh, fixed_seconds=table[1])
 
 
 def abstract_controller(state: TrainState, section: DrafterSection, widths: int,

@@ -258,7 +258,8 @@ class Session:
         pipeline = self.async_pipeline(models, state, drafter, online, train_mesh, rollout_mesh)
         records = ((r.update, r.state, r.metrics) for r in pipeline.run(
             state, first_update=start, num_updates=self.config.rl.steps - start,
-            prompts_of=self.step_prompts, rng_of=self.step_rng, in_flight=in_flight))
+            prompts_of=self.step_prompts, rng_of=self.step_rng, in_flight=in_flight,
+            refresh_weight=self.config.drafter.refresh_weight))
         in_flight_now = pipeline.in_flight  # saved with each checkpoint: resume trains on them
       state = self.run_steps(state, records, outputs, self.saver(models, online, train_mesh),
                              in_flight_now, nnx.split(models.policy)[0])

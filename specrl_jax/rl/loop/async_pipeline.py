@@ -38,18 +38,19 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError, SpecConfig, check
 from specrl_jax.parallel import distributed
-from specrl_jax.parallel.mesh import batch_sharding
+from specrl_jax.parallel.mesh import batch_sharding, data_parallel_size
 from specrl_jax.rl.loop.learn_step import make_learn_step
 from specrl_jax.rl.loop.learner import Batch, LearnerConfig, TrainState
 from specrl_jax.rl.loop.online_drafters import OnlineDrafter
 from specrl_jax.rl.loop.rollout import (
     RolloutConfig, Trajectories, make_rollout, rollout_drafter_params, rollout_metrics,
 )
-from specrl_jax.rl.loop.shape_control import check_controller
+from specrl_jax.rl.loop.shape_control import check_controller, refreshed
 from specrl_jax.rl.loop.sync import to_host
 from specrl_jax.rl.tasks.base import PromptBatch, Task
 from specrl_jax.sampling.engine import EngineConfig
@@ -119,6 +120,15 @@ class _Started:
   trajectories: Trajectories
   ready: concurrent.futures.Future
   on_train_mesh: bool = False
+  seconds: float | None = None  # a restored batch's rollout seconds, as first measured
+  compiled: bool = False  # its rollout compiled the program: its seconds time that too
+
+  def rollout_seconds(self, previous_done: float) -> float:
+    """Its rollout's seconds: from its start, or from the end of the rollout before it
+    (the rollout mesh runs one batch at a time)."""
+    if self.seconds is None:
+      self.seconds = self.ready.result() - max(self.started, previous_done)
+    return self.seconds
 
 
 def _when_ready(pool: concurrent.futures.Executor, tree) -> concurrent.futures.Future:
@@ -163,6 +173,8 @@ class AsyncPipeline:
     # (update, policy version) of every batch trained on: the lag record tests read.
     self.trained_on: list[tuple[int, int]] = []
     self._in_flight: collections.deque[_Started] = collections.deque()
+    self._last_rollout_ready = time.perf_counter()
+    self._rollouts = 0  # dispatched by this pipeline: the first compiles its program
 
   @property
   def rollout_program(self):
@@ -197,6 +209,19 @@ class AsyncPipeline:
     return distributed.transfer(state.controller, jax.tree.map(
         lambda _: replicated, state.controller))
 
+  def _refreshed(self, trajectories: Trajectories, seconds: float, weight: float
+                 ) -> InLoopState:
+    """The controller the rollout handed back, its round costs refreshed from the
+    rollout's ``seconds`` when ``weight`` > 0 (process 0's seconds on every process:
+    all must choose alike)."""
+    if weight <= 0:
+      return trajectories.controller
+    if jax.process_count() > 1:
+      seconds = float(multihost_utils.broadcast_one_to_all(np.float64(seconds)))
+    rounds_SxW = distributed.fetch(trajectories.counters["shape_rounds_SxW"])
+    return refreshed(trajectories.controller, rounds_SxW, seconds, weight=weight,
+                     shards=data_parallel_size(self.rollout_mesh))
+
   def _rollout_layout(self, params, drafter_params):
     layout, drafter_layout, _ = rollout_shardings(params, drafter_params, self.rollout_mesh)
     return layout, drafter_layout
@@ -221,9 +246,15 @@ class AsyncPipeline:
     ``run(..., in_flight=...)``. Waits for their rollouts."""
     started = list(self._in_flight)
     host = distributed.fetch([s.trajectories for s in started])
+    previous_done, seconds = self._last_rollout_ready, []
+    for batch in started:
+      seconds.append(batch.rollout_seconds(previous_done))
+      previous_done = batch.ready.result()
     return {"count": np.asarray(len(started), np.int32),
-            **{str(index): _host_batch(s.batch, trajectories)
-               for index, (s, trajectories) in enumerate(zip(started, host))}}
+            **{str(index): {**_host_batch(s.batch, trajectories),
+                            "rollout_seconds": np.asarray(t, np.float64),
+                            "rollout_compiled": np.asarray(s.compiled)}
+               for index, (s, trajectories, t) in enumerate(zip(started, host, seconds))}}
 
   def _restore(self, in_flight: dict[str, Any], first_update: int, end: int,
                pool: concurrent.futures.Executor) -> list[_Started]:
@@ -247,17 +278,20 @@ class AsyncPipeline:
               np.shape(x), sharding, lambda where, x=np.asarray(x): x[where]),
           parts, self._train_layout(parts))
       trajectories = Trajectories(batch=rows, **rest)
+      seconds = host.get("rollout_seconds")  # absent from checkpoints before refresh
       restored.append(_Started(batch, int(host["policy_version"]), time.perf_counter(),
                                trajectories, _when_ready(pool, trajectories),
-                               on_train_mesh=True))
+                               on_train_mesh=True,
+                               seconds=None if seconds is None else float(seconds),
+                               compiled=bool(host.get("rollout_compiled", True))))
     return restored
 
   # -------------------------------------------------------------- the loop
 
   def run(self, state: TrainState, *, first_update: int, num_updates: int,
           prompts_of: Callable[[int], PromptBatch], rng_of: Callable[[int], jax.Array],
-          max_policy_lag: int | None = None,
-          in_flight: dict[str, Any] | None = None) -> Iterator[StepRecord]:
+          max_policy_lag: int | None = None, in_flight: dict[str, Any] | None = None,
+          refresh_weight: float = 0.0) -> Iterator[StepRecord]:
     """Yields one StepRecord per update in [first_update, first_update + num_updates).
 
     prompts_of(b) / rng_of(b): the host prompts and the rollout key of batch b (batch
@@ -265,6 +299,9 @@ class AsyncPipeline:
     for this run (the compiled programs do not depend on it). in_flight: what
     ``in_flight()`` returned right after update first_update - 1 (resuming): those
     batches are trained on as they are, the rest generated as the schedule says.
+    refresh_weight > 0: each rollout's own seconds refresh the in-loop controller's
+    round costs before the next rollout gets it (``shape_control.refreshed``), but for
+    the first rollout this pipeline dispatches, whose seconds include compiling it.
     """
     lag = self.max_policy_lag if max_policy_lag is None else max_policy_lag
     check(isinstance(lag, int) and lag >= 0, "AsyncPipeline.run", "max_policy_lag", lag,
@@ -275,7 +312,7 @@ class AsyncPipeline:
     self._in_flight = started_batches = collections.deque(
         [] if in_flight is None else self._restore(in_flight, first_update, end, pool))
     next_batch = first_update + len(started_batches)
-    last_rollout_ready = last_train_ready = time.perf_counter()
+    self._last_rollout_ready = last_train_ready = time.perf_counter()
     previous_yield = time.perf_counter()
     try:
       for update in range(first_update, end):
@@ -288,11 +325,13 @@ class AsyncPipeline:
           trajectories = self._rollout(pushed[0], pushed[1], prompts, rng_of(next_batch),
                                        pushed_version, pushed[2])
           started_batches.append(_Started(next_batch, pushed_version, started, trajectories,
-                                          _when_ready(pool, trajectories)))
+                                          _when_ready(pool, trajectories),
+                                          compiled=self._rollouts == 0))
+          self._rollouts += 1
           next_batch += 1
         batch = started_batches.popleft()
         assert batch.batch == update
-        version, started, ready = batch.version, batch.started, batch.ready
+        version = batch.version
         check_lag(update, version, lag)
         self.trained_on.append((update, version))
         trajectories = (batch.trajectories if batch.on_train_mesh
@@ -300,8 +339,13 @@ class AsyncPipeline:
         rollout_stats = rollout_metrics(trajectories, self.max_new_tokens)
         train_started = time.perf_counter()
         state, metrics = self._train(state, trajectories)
+        # Waiting for the rollout here delays nothing: the update just dispatched
+        # waits for it too, and the next rollout for the update's weights.
+        rollout_seconds = batch.rollout_seconds(self._last_rollout_ready)
+        self._last_rollout_ready = rollout_done = batch.ready.result()
         if trajectories.controller is not None:
-          state = state.replace(controller=trajectories.controller)
+          state = state.replace(controller=self._refreshed(
+              trajectories, rollout_seconds, 0.0 if batch.compiled else refresh_weight))
         train_ready = _when_ready(pool, (state.params, metrics))
         push_started = time.perf_counter()
         pushed = self.push_weights(state) + (self.push_controller(state),)
@@ -310,11 +354,10 @@ class AsyncPipeline:
 
         # Read on every process, wherever the train mesh lives.
         host = to_host(distributed.fetch({**metrics, **rollout_stats}))
-        rollout_done, train_done, push_done = ready.result(), train_ready.result(), push_ready.result()
-        rollout_seconds = rollout_done - max(started, last_rollout_ready)
+        train_done, push_done = train_ready.result(), push_ready.result()
         train_seconds = train_done - max(train_started, rollout_done, last_train_ready)
         exposed = max(0.0, rollout_done - last_train_ready)
-        last_rollout_ready, last_train_ready = rollout_done, train_done
+        last_train_ready = train_done
         now = time.perf_counter()
         host.update(policy_lag=update - version, rollout_seconds=rollout_seconds,
                     train_seconds=train_seconds, exposed_rollout_seconds=exposed,

@@ -5,7 +5,8 @@ Metrics (per RL step; W widths of slot compaction, widest first):
   inloop_shape_by_width [W]: the shape index that ran the most rounds at each width
     (0 plain, k a chain of k drafts, K + 1 + t the t-th tree; -1: the width never ran);
   inloop_rounds_<label> [W]: rounds of that shape at each width;
-  inloop_round_seconds_<label> [W]: the round-cost table the step chose with;
+  inloop_round_seconds_<label> [W]: the round-cost table the step chose with (async
+    runs with ``refresh_weight`` > 0: refreshed from every rollout's own time);
   inloop_acceptance [K]: the carried per-position acceptance estimate;
   inloop_exploration_rounds [W]: rounds run to explore (untried shapes, re-tries).
 """
@@ -19,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError, SpecConfig
 from specrl_jax.speculative.inloop import InLoopState, acceptance_rates
+from specrl_jax.speculative.inloop_calibration import refresh
 from specrl_jax.speculative.inloop_rollout import in_loop_config
 
 Array = jax.Array
@@ -41,13 +43,25 @@ def check_controller(state, spec: SpecConfig | None) -> None:
                       "adaptive: pass SpecConfig(..., adaptive=True) or drop the controller.")
 
 
-def with_controller(state, spec: SpecConfig, cost_SxW, mesh: Mesh):
+def with_controller(state, spec: SpecConfig, cost_SxW, mesh: Mesh, fixed_seconds: float = 0.0):
   """``state`` with a fresh controller for ``spec``'s menu and the measured round
-  seconds ``cost_SxW`` [shapes, widths], replicated on ``mesh``."""
-  controller = InLoopState.initial(in_loop_config(spec), np.asarray(cost_SxW))
+  seconds ``cost_SxW`` [shapes, widths] (and rollout seconds outside the rounds),
+  replicated on ``mesh``."""
+  controller = InLoopState.initial(in_loop_config(spec), np.asarray(cost_SxW), fixed_seconds)
   replicated = NamedSharding(mesh, P())
   return state.replace(controller=jax.device_put(
       controller, jax.tree.map(lambda _: replicated, controller)))
+
+
+def refreshed(controller: InLoopState, rounds_SxW, seconds: float, *, weight: float,
+              shards: int) -> InLoopState:
+  """``controller`` with its round costs refreshed from one rollout's own time
+  (``speculative.inloop_calibration.refresh``): it ran ``rounds_SxW`` (summed over its
+  ``shards`` batch shards, which decode side by side, so one shard ran a share) in
+  ``seconds``. ``seconds`` must be the same on every process."""
+  cost_SxW = refresh(np.asarray(controller.cost_SxW), float(controller.fixed_seconds),
+                     np.asarray(rounds_SxW) / shards, seconds, weight)
+  return controller.replace(cost_SxW=jax.device_put(cost_SxW, controller.cost_SxW.sharding))
 
 
 def shape_labels(controller: InLoopState) -> tuple[str, ...]:
