@@ -19,7 +19,8 @@ from specrl_jax.rl import tasks
 from specrl_jax.rl.loop.rollout import RolloutConfig, make_rollout
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.generate import generate
-from specrl_jax.speculative.inloop import InLoopState
+from specrl_jax.sampling.programs import programs_compiled
+from specrl_jax.speculative.inloop import InLoopState, fade
 from specrl_jax.speculative.inloop_calibration import calibrate
 from specrl_jax.speculative.inloop_rollout import generate_in_loop, in_loop_config
 
@@ -118,6 +119,24 @@ def test_greedy_decoding_through_the_in_loop_hook_is_plain_decoding(
   rounds_SxW = np.asarray(controller.rounds_SxW)
   assert rounds_SxW.sum() == out.stats["target_calls"]
   assert np.count_nonzero(rounds_SxW.sum(axis=1)) >= 3  # several shapes ran
+
+
+def test_a_controller_carried_from_call_to_call_reuses_the_compiled_programs(
+    target, noisy_drafter):
+  """``generate_in_loop`` hands its controller back as host data; passing that to the
+  next call, as a run carries it, compiles nothing new."""
+  sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
+  engine = EngineConfig(page_size=4, num_slots=3, compaction=True)
+  config = in_loop_config(SPEC)
+  controller = InLoopState.initial(config, np.ones((len(config.shapes), 3)))
+  for call in range(3):
+    out, after = generate_in_loop(target, PROMPTS, sampling=sampling, rng=jax.random.key(0),
+                                  drafter=noisy_drafter, spec=SPEC, controller=controller,
+                                  engine=engine)
+    controller = fade(config, controller, after)
+    if call == 0:
+      compiled = programs_compiled()
+  assert programs_compiled() == compiled
 
 
 def test_calibration_times_every_shape_at_every_width_through_the_same_programs(

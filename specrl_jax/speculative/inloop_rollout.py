@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from specrl_jax.config import SamplingParams, SpecConfig
 from specrl_jax.models.transformer import Transformer
@@ -67,6 +68,10 @@ def generate_in_loop(model: Transformer, prompts: Sequence[Sequence[int]], *,
   if not spec.adaptive:
     raise ValueError("generate_in_loop needs SpecConfig(adaptive=True, ...): the in-loop "
                      "controller chooses among its chains and adaptive_trees.")
+  # Device arrays whatever the caller carries (the state handed back is host data):
+  # compiled programs are kept per argument placement, and host arrays would compile
+  # every width's program a second time.
+  controller = jax.tree.map(jnp.asarray, controller)
   bound, _, draft_mode = speculation(model.config, sampling, drafter, spec)
   longest = rounds_of(*speculation(model.config, sampling, drafter, spec))
   after = {}
