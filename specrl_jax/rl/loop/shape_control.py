@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specrl_jax.config import ConfigError, SpecConfig
+from specrl_jax.parallel import distributed
 from specrl_jax.speculative.inloop import InLoopState, acceptance_rates
 from specrl_jax.speculative.inloop_calibration import refresh
 from specrl_jax.speculative.inloop_rollout import in_loop_config
@@ -59,8 +60,9 @@ def refreshed(controller: InLoopState, rounds_SxW, seconds: float, *, weight: fl
   (``speculative.inloop_calibration.refresh``): it ran ``rounds_SxW`` (summed over its
   ``shards`` batch shards, which decode side by side, so one shard ran a share) in
   ``seconds``. ``seconds`` must be the same on every process."""
-  cost_SxW = refresh(np.asarray(controller.cost_SxW), float(controller.fixed_seconds),
-                     np.asarray(rounds_SxW) / shards, seconds, weight)
+  table, fixed = distributed.fetch((controller.cost_SxW, controller.fixed_seconds))
+  cost_SxW = refresh(np.asarray(table), float(fixed), np.asarray(rounds_SxW) / shards,
+                     seconds, weight)
   return controller.replace(cost_SxW=jax.device_put(cost_SxW, controller.cost_SxW.sharding))
 
 
