@@ -1,5 +1,5 @@
-"""Test-wide JAX setup: eight simulated CPU devices for the sharding tests, and the
-tiny models many engine tests share.
+"""Test-wide JAX setup: eight simulated CPU devices for the sharding tests, the tiny
+models many engine tests share, and the tiny GRPO setup the RL loop tests share.
 
 Must run before JAX initialises a backend, hence environment variables at import.
 """
@@ -30,8 +30,10 @@ os.environ["XLA_FLAGS"] = " ".join([
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from specrl_jax import drafters, testing  # noqa: E402
-from specrl_jax.config import ModelConfig  # noqa: E402
+from specrl_jax import drafters, rl, testing  # noqa: E402
+from specrl_jax.config import ModelConfig, SamplingParams  # noqa: E402
+from specrl_jax.models import tokenizer  # noqa: E402
+from specrl_jax.rl import tasks  # noqa: E402
 from specrl_jax.sampling import programs  # noqa: E402
 
 # The tiny target the engine tests decode with: a 12-token vocabulary keeps the joint
@@ -39,6 +41,19 @@ from specrl_jax.sampling import programs  # noqa: E402
 # grouped-query attention in every path.
 TINY_TARGET = ModelConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+# The tiny GRPO setup of the RL loop tests (sync, async, in-loop controller): one-digit
+# addition, a 2-layer policy over the built-in vocabulary, sampled rollouts to the task's
+# longest answer, a constant learning rate and truncated importance sampling.
+RL_TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
+RL_POLICY = ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+RL_SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=RL_TASK.max_response_tokens,
+                             stop_token_ids=(tokenizer.EOS_ID,))
+RL_LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant",
+                              loss=rl.GRPOConfig(tis_cap=2.0))
+RL_PROMPTS = tasks.make_prompt_set(RL_TASK, 16, seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -11,18 +11,10 @@ from flax import nnx
 
 import specrl_jax as sj
 from specrl_jax import parallel, rl
-from specrl_jax.models import tokenizer
 from specrl_jax.rl.loop import async_pipeline, online_drafters, rollout
 from specrl_jax.rl import tasks
-
-TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
-POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
-                        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
-SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
-                             stop_token_ids=(tokenizer.EOS_ID,))
-LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant",
-                           loss=rl.GRPOConfig(tis_cap=2.0))
-PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
+from conftest import (RL_LEARNER as LEARNER, RL_POLICY as POLICY, RL_PROMPTS as PROMPTS,
+                      RL_SAMPLING as SAMPLING, RL_TASK as TASK)
 
 
 def _pipeline(rollout_shape, train_shape):

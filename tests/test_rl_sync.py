@@ -14,17 +14,11 @@ from specrl_jax.models import tokenizer
 from specrl_jax.rl.app import experiment
 from specrl_jax.rl.loop import online_drafters, rollout, sync
 from specrl_jax.rl import tasks
+from conftest import (RL_LEARNER as LEARNER, RL_POLICY as POLICY, RL_PROMPTS as PROMPTS,
+                      RL_SAMPLING as SAMPLING, RL_TASK as TASK)
 
-TASK = tasks.Arithmetic(min_digits=1, max_digits=1)
-POLICY = sj.ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
-                        num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
 DRAFT = POLICY.replace(num_layers=1)
-SAMPLING = sj.SamplingParams(temperature=1.0, max_new_tokens=TASK.max_response_tokens,
-                             stop_token_ids=(tokenizer.EOS_ID,))
-LEARNER = rl.LearnerConfig(learning_rate=1e-3, schedule="constant",
-                           loss=rl.GRPOConfig(tis_cap=2.0))
 ROLLOUT = rollout.RolloutConfig(group_size=4, prompts_per_step=4, sampling=SAMPLING)
-PROMPTS = tasks.make_prompt_set(TASK, 16, seed=0)
 
 
 def _program(mesh, task=TASK):
