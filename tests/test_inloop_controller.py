@@ -17,6 +17,7 @@ from specrl_jax.config import ConfigError
 from specrl_jax.speculative.expected import expected_tokens_per_round
 from specrl_jax.speculative.inloop import (
     InLoopConfig, InLoopState, acceptance_rates, best_shape, choose, expected_tokens_S, observe,
+    plain_streak, settle_plain,
 )
 from specrl_jax.sampling.results import GenerateOutput
 from specrl_jax.speculative.inloop_calibration import refresh, time_shapes
@@ -99,6 +100,39 @@ def test_a_forced_shape_always_runs_and_explores_nothing():
   state = InLoopState.initial(CONFIG, ONE_WIDTH).replace(force=jnp.int32(1))
   shapes, probes, _ = _run(state, 6)
   assert shapes == [1] * 6 and not any(probes)
+
+
+def _plain_choosing_state(case: str) -> InLoopState:
+  """A state whose next round is plain decoding, for each reason the rule has."""
+  tried = InLoopState.initial(CONFIG, ONE_WIDTH).replace(
+      accepted_Z=jnp.asarray([90.0, 80.0, 70.0]), reached_Z=jnp.asarray([100.0, 90.0, 80.0]),
+      rounds_SxW=jnp.ones((SHAPES, 1), jnp.int32), clock=jnp.int32(5),
+      last_SxW=jnp.asarray([[0], [1], [2], [4], [3]], jnp.int32),  # plain ran longest ago
+      interval_W=jnp.asarray([8], jnp.int32), since_probe_W=jnp.asarray([3], jnp.int32))
+  costly = jnp.asarray([[1.0], [4.0], [4.0], [4.0], [4.0]])
+  return {"plain_wins": tried.replace(cost_SxW=costly),            # 4 rounds to the re-try
+          "pinned": tried.replace(force=jnp.int32(0)),               # k = 3 would win
+          "re_tried": tried.replace(best_W=jnp.asarray([3], jnp.int32),
+                                    since_probe_W=jnp.asarray([7], jnp.int32)),
+          "untried": tried.replace(rounds_SxW=jnp.asarray([[0], [0], [0], [1], [1]], jnp.int32)),
+          }[case]
+
+
+@pytest.mark.parametrize("case,streak", [("plain_wins", 4), ("pinned", 2**31 - 1),
+                                         ("re_tried", 1), ("untried", 1)])
+def test_plain_rounds_run_as_a_streak_that_settles_as_asking_before_each_round_would(case,
+                                                                                     streak):
+  """Plain rounds count no acceptance: the decode loop asks the rule once how many follow
+  (plain_streak) and settles their bookkeeping after them (settle_plain)."""
+  state = _plain_choosing_state(case)
+  assert int(plain_streak(CONFIG, state, 0)) == streak
+  settle = jax.jit(settle_plain, static_argnums=(0, 2))
+  asked, zeros = state, jnp.zeros((3,), jnp.int32)
+  for rounds in range(min(streak, 6) + 1):
+    jax.tree.map(np.testing.assert_array_equal, settle(CONFIG, state, 0, jnp.int32(rounds)),
+                 asked)
+    shape, _, asked = _step(asked, zeros, jnp.int32(0))
+    assert (int(shape) == 0) == (rounds < streak)  # the streak's rounds, then another shape
 
 
 def test_a_refresh_rescales_the_cells_a_rollout_ran_by_their_share_only():

@@ -4,8 +4,8 @@
 rounds on the host; an RL step is one compiled program, so here the same decision rule
 runs traced, once per round: a small menu (plain decoding, chains of k = 1..K drafts,
 at most two trees) shares one decode state built for the longest chain, and the decode
-loop runs the chosen shape's round on it (a ``sampling.decode_loop.RoundMenu``: one
-inner loop per run of rounds of a shape, so the page pool is not copied every round).
+loop runs the chosen shape's round on it (``speculative.inloop_hook``: one inner loop
+per run of rounds of a shape, so the page pool is not copied every round).
 Every shape's round is lossless on the same state, so the output's distribution never
 depends on the choice.
 
@@ -29,25 +29,14 @@ of slot compaction (widest first), K the longest chain, T trees.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specrl_jax.config import SamplingParams, check, is_finite_number
-from specrl_jax.kv.paged import LayerOffset
-from specrl_jax.models.transformer import Transformer
-from specrl_jax.sampling.decode_loop import RoundMenu
-from specrl_jax.sampling.engine import DecodeState
-from specrl_jax.sampling.plain import plain_round
-from specrl_jax.speculative.catch_up import CHUNK
+from specrl_jax.config import check, is_finite_number
 from specrl_jax.speculative.concurrency import Shape, check_tree_menu, shape_label
-from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
-from specrl_jax.speculative.round import speculative_round
-from specrl_jax.speculative.rollout import Speculation, idle_round
-from specrl_jax.speculative.topology import TreeTopology
 
 Array = jax.Array
 MAX_TREES = 2
@@ -245,6 +234,33 @@ def observe(config: InLoopConfig, state: InLoopState, width: int, shape: Array,
       clock=state.clock + 1)
 
 
+def plain_streak(config: InLoopConfig, state: InLoopState, width: int) -> Array:
+  """How many plain rounds in a row ``choose`` picks at width index ``width`` from
+  ``state``, where it has just picked plain: plain rounds count no acceptance, so the
+  best shape stays and only the re-try schedule moves (one round when plain runs as an
+  exploration; no end when pinned)."""
+  _, explores, first = choose(config, state, width)
+  steady = first.interval_W[width] - first.since_probe_W[width]
+  never = jnp.iinfo(jnp.int32).max
+  return jnp.where(state.force >= 0, never, jnp.where(explores, 1, steady)).astype(jnp.int32)
+
+
+def settle_plain(config: InLoopConfig, state: InLoopState, width: int, rounds: Array
+                 ) -> InLoopState:
+  """The state after ``rounds`` (at most ``plain_streak``) plain rounds at width index
+  ``width``: what ``choose`` before and ``observe`` after each of them leave."""
+  shape, explores, first = choose(config, state, width)
+  first = observe(config, first, width, shape, explores, jnp.zeros((config.k_max,), jnp.int32),
+                  jnp.int32(0))
+  more = jnp.maximum(rounds - 1, 0)
+  # The rounds after the first: none explores; a pinned controller's schedule stands.
+  after = first.replace(
+      since_probe_W=first.since_probe_W.at[width].add(jnp.where(state.force >= 0, 0, more)),
+      rounds_SxW=first.rounds_SxW.at[0, width].add(more),
+      last_SxW=first.last_SxW.at[0, width].add(more), clock=first.clock + more)
+  return jax.tree.map(lambda a, b: jnp.where(rounds > 0, a, b), after, state)
+
+
 def fade(config: InLoopConfig, before: InLoopState, after: InLoopState) -> InLoopState:
   """The state a rollout hands to the next: its acceptance counts added to the
   carried ones, which fade by ``smoothing`` first."""
@@ -264,145 +280,3 @@ def merge_shards(before: InLoopState, per_shard: InLoopState) -> InLoopState:
   return first.replace(**{name: getattr(before, name)
                           + jnp.sum(getattr(per_shard, name) - getattr(before, name)[None],
                                     axis=0) for name in summed})
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class InLoopSpeculation:
-  """The engine's round hook that picks the shape per round (``sampling.rollout``).
-
-  Its traced params are ``(drafter params, InLoopState)``; the controller state rides
-  in the decode state beside the drafter's (``DecodeState.drafter = (drafter state,
-  InLoopState)``), so it survives the stages of slot compaction. widths: the stage
-  widths of the layout (the width index of a round is its program's slot count).
-  """
-  drafter: Drafter
-  config: InLoopConfig
-  draft_mode: str
-  widths: tuple[int, ...]
-
-  @property
-  def longest(self) -> Speculation:
-    return Speculation(drafter=self.drafter, topology=TreeTopology((1,) * self.config.k_max),
-                       draft_mode=self.draft_mode, max_pending=self.config.k_max + 1)
-
-  @property
-  def hidden_layers(self) -> tuple[int, ...]:
-    return self.drafter.hidden_layers
-
-  def params(self) -> Any:
-    # No default: a controller without measured round costs would choose on made-up ones.
-    raise ValueError("InLoopSpeculation has no default hook_params: pass "
-                     "hook_params=(drafter params, InLoopState) with measured round costs.")
-
-  def kv_layers(self) -> tuple:
-    return self.drafter.kv_layers()
-
-  def init_state(self, num_slots: int, counters: dict) -> tuple[Any, dict]:
-    drafter_state, counters = self.longest.init_state(num_slots, counters)
-    # A placeholder of the right shapes: ``prefill`` puts in the carried state.
-    cost = np.ones((len(self.config.shapes), len(self.widths)), np.float32)
-    return (drafter_state, InLoopState.initial(self.config, cost)), counters
-
-  def prefill(self, params, state: DecodeState, prefill_kv, num_layers: int, tokens_UxT,
-              lengths_U, target_output) -> tuple[DecodeState, Any]:
-    drafter_params, controller = params
-    inner, prefill_kv = self.longest.prefill(
-        drafter_params, state.replace(drafter=state.drafter[0]), prefill_kv, num_layers,
-        tokens_UxT, lengths_U, target_output)
-    return state.replace(drafter=(inner.drafter, controller)), prefill_kv
-
-  def compact_state(self, hook_state, slots_W):
-    drafter_state, controller = hook_state
-    return self.drafter.compact_state(drafter_state, slots_W), controller
-
-  def loop(self, model: Transformer, params, state: DecodeState, sampling: SamplingParams):
-    drafter_params = params[0]
-    width = self.widths.index(state.num_slots)
-    config = self.config
-
-    def chosen(s: DecodeState) -> Array:
-      return choose(config, s.drafter[1], width)[0]
-
-    def round_of(index: int, shape: Shape):
-      branch = self._branch(model, drafter_params, shape, sampling)
-
-      def round_fn(s: DecodeState) -> DecodeState:
-        drafter_state, controller = s.drafter
-        # The loop runs this kind only while it is the one chosen: this commits the
-        # choice (and the re-try schedule it advances).
-        _, explores, controller = choose(config, controller, width)
-        before = s.counters
-        s = branch(s.replace(drafter=drafter_state))
-        accepted_Z = s.counters["accepted_per_position"] - before["accepted_per_position"]
-        drafting = s.counters["draft_rounds"] - before["draft_rounds"]
-        controller = observe(config, controller, width, jnp.int32(index), explores, accepted_Z,
-                             drafting)
-        return s.replace(drafter=(s.drafter, controller))
-      return round_fn
-
-    menu = RoundMenu(rounds=tuple(round_of(i, shape) for i, shape in enumerate(config.shapes)),
-                     choose=chosen)
-
-    def on_admit(s, admit_N, prompt_N, prompts):
-      drafter_state, controller = s.drafter
-      drafter_state = self.drafter.on_admit(drafter_params, drafter_state, admit_N,
-                                            prompts.lengths_U[prompt_N])
-      return s.replace(drafter=(drafter_state, controller))
-
-    return state, menu, on_admit
-
-  def _branch(self, model: Transformer, drafter_params, shape: Shape,
-              sampling: SamplingParams):
-    """The round of one menu shape on a state whose ``drafter`` is the drafter's own."""
-    drafter, pending = self.drafter, self.config.k_max + 1
-    topology = TreeTopology(shape if isinstance(shape, tuple) else (1,) * shape)
-    if topology.depth == 0 and drafter.stateless:
-      return lambda s: plain_round(model, s, sampling)
-    if topology.depth == 0 and drafter.catches_up:
-      return lambda s: idle_round(model, drafter, drafter_params, s, sampling)
-
-    def round_fn(s: DecodeState) -> DecodeState:
-      if drafter.catches_up:
-        s = catch_up_beyond(drafter, drafter_params, s, model.config.num_layers, pending)
-      return speculative_round(model, drafter, drafter_params, s, sampling, topology,
-                               self.draft_mode, pending)
-    return round_fn
-
-  def stats(self, final: DecodeState, *, placement: str | None = None,
-            shards: int | None = None) -> dict[str, Any]:
-    inner = final.replace(drafter=final.drafter[0])
-    stats = self.longest.stats(inner, placement=placement, shards=shards)
-    controller = final.drafter[1]
-    if shards is None:
-      stats["draft_schedule_by_width"] = schedule_by_width(self.config, self.widths,
-                                                           controller.rounds_SxW)
-      stats["controller"] = controller
-    return stats
-
-
-def catch_up_beyond(drafter: Drafter, drafter_params, state: DecodeState, num_layers: int,
-                    max_pending: int) -> DecodeState:
-  """Feeds an idle drafter (after plain rounds) until every slot has at most
-  ``max_pending`` tokens to feed, which the next ``start`` takes: after drafting
-  rounds nothing is fed here (``catch_up.catch_up_drafter`` feeds all but one)."""
-
-  def behind(s: DecodeState):
-    inputs = RoundInputs.of(s)
-    return jnp.any(drafter.unseen_tokens(s.drafter, inputs) + inputs.active_N > max_pending)
-
-  def step(s: DecodeState) -> DecodeState:
-    view = LayerOffset(inner=s.kv, offset=num_layers)
-    drafter_state, view = drafter.catch_up(drafter_params, s.drafter, view,
-                                           RoundInputs.of(s), CHUNK)
-    return s.replace(drafter=drafter_state,
-                     kv=s.kv.replace(k_pages=view.inner.k_pages, v_pages=view.inner.v_pages))
-
-  return jax.lax.while_loop(behind, step, state)
-
-
-def schedule_by_width(config: InLoopConfig, widths: tuple[int, ...], rounds_SxW
-                      ) -> dict[int, dict[str, int]]:
-  """Rounds per width and shape label (host numbers), widest first."""
-  rounds_SxW = np.asarray(rounds_SxW)
-  return {int(w): {label: int(rounds_SxW[s, i]) for s, label in enumerate(config.labels)
-                   if rounds_SxW[s, i]} for i, w in enumerate(widths)}

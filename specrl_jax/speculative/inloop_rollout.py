@@ -18,7 +18,8 @@ from specrl_jax.sampling.layout import Layout
 from specrl_jax.sampling.results import GenerateOutput
 from specrl_jax.sampling.rollout import generate_whole, widths_of
 from specrl_jax.speculative.drafters.base import Drafter
-from specrl_jax.speculative.inloop import InLoopConfig, InLoopSpeculation, InLoopState
+from specrl_jax.speculative.inloop import InLoopConfig, InLoopState
+from specrl_jax.speculative.inloop_hook import InLoopSpeculation
 from specrl_jax.speculative.rollout import rounds_of, speculation
 
 
