@@ -29,12 +29,21 @@ change), and reports the responses' mean and max length and the rollouts' rounds
 compaction width and tail share. A tiny policy is warm-started on that task; a
 spec_pair policy keeps its own training (2-4 digits), so the tail runs past it.
 
+``--draft-shapes`` compares draft shapes instead: plain decoding, fixed chains and the
+in-loop adaptive shape on the sync step's own rollout program, interleaved step by step
+on the same prompts and seeds, with slot compaction (experiments/bench_rl_inloop.py,
+which this mode runs with --policy, --task, --tail-exponent, --steps, --warmup,
+--prompts-per-step, --num-slots and --set; --policy medium's drafter is distilled on the
+target's own rollouts of the task; one device).
+
 Medians over --steps timed steps after --warmup compiled ones. Prints one JSON object.
 
   python experiments/bench_rl.py [--devices=2] [--steps=6] [--warm-from=runs/demo]
       [--policy=tiny|medium|large] [--prompts-per-step=N] [--log-prob-pass-comparison]
       [--task=arithmetic|longtail] [--tail-exponent=1.0] [--compaction|--no-compaction]
       [--num-slots=N] [--sync-only] [--set=--SECTION.FIELD=VALUE ...]
+  python experiments/bench_rl.py --draft-shapes [--policy=tiny|medium] [--task=longtail]
+      [--steps=10] [--warmup=2] [--prompts-per-step=8] [--num-slots=4]
 """
 
 from __future__ import annotations
@@ -67,6 +76,9 @@ def _parse():
                       help="engine slots per rollout shard (default: the experiment's; "
                       "0, one per sample, with --task=longtail)")
   parser.add_argument("--sync-only", action="store_true", help="skip the async arms")
+  parser.add_argument("--draft-shapes", action="store_true",
+                      help="plain vs fixed chains vs the in-loop adaptive shape, interleaved "
+                      "per step (experiments/bench_rl_inloop.py)")
   parser.add_argument("--set", action="append", default=[], metavar="--SECTION.FIELD=VALUE",
                       help="an experiment override, e.g. --set=--rl.group_size=4")
   return parser.parse_args()
@@ -75,7 +87,7 @@ def _parse():
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(ARGS.devices))
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1" if ARGS.draft_shapes else str(ARGS.devices))
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -212,8 +224,25 @@ def _longtail_overrides(args) -> list[str]:
           f"--task.tail_exponent={args.tail_exponent}"]
 
 
+def draft_shapes(args) -> int:
+  """The --draft-shapes comparison, run by experiments/bench_rl_inloop.py."""
+  import bench_rl_inloop
+  if args.policy == "large":
+    raise SystemExit("--draft-shapes runs --policy tiny (the 1.2M sizes) or medium")
+  policy = {"tiny": "small", "medium": "medium"}[args.policy]  # bench_rl_inloop's names
+  argv = [f"--policy={policy}", f"--task={args.task}",
+          f"--tail-exponent={args.tail_exponent}", f"--steps={args.steps}",
+          f"--warmup={args.warmup}", f"--prompts-per-step={args.prompts_per_step or 8}",
+          f"--num-slots={args.num_slots or 4}"] + [f"--set={item}" for item in args.set]
+  if args.out:
+    argv.append(f"--out={args.out}")
+  return bench_rl_inloop.main(argv)
+
+
 def main() -> int:
   args = ARGS
+  if args.draft_shapes:
+    return draft_shapes(args)
   devices = len(jax.devices())
   pair = args.policy != "tiny"
   prompts = args.prompts_per_step or (4 if pair else 16)
