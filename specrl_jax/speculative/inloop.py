@@ -5,8 +5,9 @@ rounds on the host; an RL step is one compiled program, so here the same decisio
 runs traced, once per round: a small menu (plain decoding, chains of k = 1..K drafts,
 at most two trees) shares one decode state built for the longest chain, and the decode
 loop runs the chosen shape's round on it (``speculative.inloop_hook``: one inner loop
-per run of rounds of a shape, so the page pool is not copied every round).
-Every shape's round is lossless on the same state, so the output's distribution never
+per run of rounds of a shape, so the page pool is not copied every round). Plain rounds
+count nothing the rule reads, so a run of them asks it once (``plain_streak``) and
+settles its bookkeeping after (``settle_plain``). Every shape's round is lossless on the same state, so the output's distribution never
 depends on the choice.
 
 The rule is the host controller's arithmetic: a chain of k drafts emits
