@@ -230,10 +230,11 @@ def draft_shapes(args) -> int:
   if args.policy == "large":
     raise SystemExit("--draft-shapes runs --policy tiny (the 1.2M sizes) or medium")
   policy = {"tiny": "small", "medium": "medium"}[args.policy]  # bench_rl_inloop's names
+  slots = 4 if args.num_slots is None else args.num_slots
   argv = [f"--policy={policy}", f"--task={args.task}",
           f"--tail-exponent={args.tail_exponent}", f"--steps={args.steps}",
           f"--warmup={args.warmup}", f"--prompts-per-step={args.prompts_per_step or 8}",
-          f"--num-slots={args.num_slots or 4}"] + [f"--set={item}" for item in args.set]
+          f"--num-slots={slots}"] + [f"--set={item}" for item in args.set]
   if args.out:
     argv.append(f"--out={args.out}")
   return bench_rl_inloop.main(argv)
