@@ -20,12 +20,16 @@ CHUNK = 16
 
 
 def catch_up_drafter(drafter: Drafter, drafter_params, state: DecodeState, num_layers: int,
-                     chunk: int = CHUNK) -> DecodeState:
-  """Feeds the drafter every token it has not seen but the last (which the next round's
-  ``start`` feeds). num_layers: the target's (the drafter's pages follow them)."""
+                     chunk: int = CHUNK, *, max_pending: int = 1) -> DecodeState:
+  """Feeds the drafter until every slot has at most ``max_pending`` tokens to feed,
+  counting the last one, which the next round's ``start`` feeds (1: all but the last;
+  the in-loop controller leaves as many as its longest chain's ``start`` takes, so
+  after drafting rounds nothing is fed here). num_layers: the target's (the drafter's
+  pages follow them)."""
 
   def behind(s: DecodeState):
-    return jnp.any(drafter.unseen_tokens(s.drafter, RoundInputs.of(s)) > 0)
+    inputs = RoundInputs.of(s)
+    return jnp.any(drafter.unseen_tokens(s.drafter, inputs) + inputs.active_N > max_pending)
 
   def step(s: DecodeState) -> DecodeState:
     view = LayerOffset(inner=s.kv, offset=num_layers)

@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specrl_jax.config import SamplingParams
-from specrl_jax.kv.paged import LayerOffset
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.decode_loop import RoundMenu, Streak
 from specrl_jax.sampling.engine import DecodeState
 from specrl_jax.sampling.plain import plain_round
-from specrl_jax.speculative.catch_up import CHUNK
+from specrl_jax.speculative.catch_up import catch_up_drafter
 from specrl_jax.speculative.concurrency import Shape
-from specrl_jax.speculative.drafters.base import Drafter, RoundInputs
+from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.inloop import (InLoopConfig, InLoopState, choose, observe,
                                            plain_streak, settle_plain)
 from specrl_jax.speculative.round import speculative_round
@@ -141,7 +140,8 @@ class InLoopSpeculation:
 
     def round_fn(s: DecodeState) -> DecodeState:
       if drafter.catches_up:
-        s = catch_up_beyond(drafter, drafter_params, s, model.config.num_layers, pending)
+        s = catch_up_drafter(drafter, drafter_params, s, model.config.num_layers,
+                             max_pending=pending)
       return speculative_round(model, drafter, drafter_params, s, sampling, topology,
                                self.draft_mode, pending)
     return round_fn
@@ -156,26 +156,6 @@ class InLoopSpeculation:
                                                            controller.rounds_SxW)
       stats["controller"] = controller
     return stats
-
-
-def catch_up_beyond(drafter: Drafter, drafter_params, state: DecodeState, num_layers: int,
-                    max_pending: int) -> DecodeState:
-  """Feeds an idle drafter (after plain rounds) until every slot has at most
-  ``max_pending`` tokens to feed, which the next ``start`` takes: after drafting
-  rounds nothing is fed here (``catch_up.catch_up_drafter`` feeds all but one)."""
-
-  def behind(s: DecodeState):
-    inputs = RoundInputs.of(s)
-    return jnp.any(drafter.unseen_tokens(s.drafter, inputs) + inputs.active_N > max_pending)
-
-  def step(s: DecodeState) -> DecodeState:
-    view = LayerOffset(inner=s.kv, offset=num_layers)
-    drafter_state, view = drafter.catch_up(drafter_params, s.drafter, view,
-                                           RoundInputs.of(s), CHUNK)
-    return s.replace(drafter=drafter_state,
-                     kv=s.kv.replace(k_pages=view.inner.k_pages, v_pages=view.inner.v_pages))
-
-  return jax.lax.while_loop(behind, step, state)
 
 
 def schedule_by_width(config: InLoopConfig, widths: tuple[int, ...], rounds_SxW

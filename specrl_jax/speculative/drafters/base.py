@@ -137,7 +137,7 @@ class Drafter(abc.ABC):
     return state, kv
 
   def unseen_tokens(self, state, inputs: RoundInputs) -> Array:
-    """Tokens per slot that ``catch_up`` still has to feed."""
+    """Tokens per slot that ``catch_up`` still has to feed (0 for inactive slots)."""
     return jnp.zeros_like(inputs.cache_lengths_N)
 
   def catch_up(self, params, state, kv, inputs: RoundInputs, max_tokens: int
