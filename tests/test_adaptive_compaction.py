@@ -173,9 +173,12 @@ class ScriptedController(ConcurrencyAwareController):
 SCRIPT = [3, 0, TREE, 1, 2, TREE, 0, 3, 1, TREE, 2] * 4
 
 
-@pytest.mark.parametrize("drafter_name,num_slots", [("draft_model", 3), ("ngram", 0)])
+# Widths (3, 2) and (8, 4): each width more compiles every shape again.
+@pytest.mark.parametrize("drafter_name,num_slots,min_width", [("draft_model", 3, 2),
+                                                              ("ngram", 0, 4)],
+                         ids=["draft_model-3", "ngram-0"])
 def test_greedy_output_is_plain_decoding_whatever_shapes_and_widths_run(
-    target, noisy_drafter, drafter_name, num_slots):
+    target, noisy_drafter, drafter_name, num_slots, min_width):
   drafter = noisy_drafter if drafter_name == "draft_model" else drafters.NGram(n=2)
   plain_tokens = testing.greedy_reference(target, PROMPTS, 12)
   stop = plain_tokens[0][2]  # ends some responses early: the batch narrows
@@ -183,7 +186,8 @@ def test_greedy_output_is_plain_decoding_whatever_shapes_and_widths_run(
   plain = generate(target, PROMPTS, sampling=sampling, engine=EngineConfig(page_size=4))
   assert len(set(plain.lengths.tolist())) > 2
   out = generate(target, PROMPTS, sampling=sampling, drafter=drafter,
-                 engine=EngineConfig(page_size=4, num_slots=num_slots, compaction=True),
+                 engine=EngineConfig(page_size=4, num_slots=num_slots, compaction=True,
+                                     compaction_min_width=min_width),
                  spec=SpecConfig(num_draft_tokens=3, adaptive=True, rounds_per_decision=1,
                                  adaptive_trees=(TREE,)),
                  controller=ScriptedController(3, (TREE,), SCRIPT))

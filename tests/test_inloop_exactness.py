@@ -63,8 +63,9 @@ def test_rl_rollout_samples_follow_the_exact_joint_while_the_shape_changes_per_r
   stop = int(np.argmax(marginals[0] + marginals[1]))  # ends many responses early
   sampling = dataclasses.replace(sampling, stop_token_ids=(stop,))
   mesh = parallel.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  # 2048 slots for 8192 samples (continuous batching), compacted to 1024 and 512.
-  engine = EngineConfig(page_size=4, num_slots=2048, compaction=True, compaction_min_width=512)
+  # 2048 slots for 8192 samples (continuous batching), compacted to 1024 (a third width
+  # doubled the compile time, most of this test's).
+  engine = EngineConfig(page_size=4, num_slots=2048, compaction=True, compaction_min_width=1024)
   graphdef, params = nnx.split(target)
   rollout = make_rollout(graphdef, CONFIG, TASK,
                          RolloutConfig(group_size=GROUP, prompts_per_step=PROMPTS_PER_STEP,
@@ -73,7 +74,7 @@ def test_rl_rollout_samples_follow_the_exact_joint_while_the_shape_changes_per_r
                          drafter=noisy_drafter, spec=SPEC, engine=engine)
   config = in_loop_config(SPEC)
   # Plain rounds cost what chains do: drafting wins wherever acceptance is high.
-  controller = InLoopState.initial(config, np.ones((len(config.shapes), 3)))
+  controller = InLoopState.initial(config, np.ones((len(config.shapes), 2)))
   batch = prompt_set.take([0] * PROMPTS_PER_STEP)
   trajectories = jax.jit(rollout)(params, noisy_drafter.params(), batch, jax.random.key(7),
                                   0, controller)
@@ -100,20 +101,33 @@ PROMPTS = [[5], [3, 10, 11], [9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8],
            [11, 0, 1, 2, 4, 4, 9, 10, 1], [3, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8], [7, 7]]
 
 
-@pytest.mark.parametrize("drafter_name,num_slots", [("draft_model", 3), ("ngram", 0)])
-def test_greedy_decoding_through_the_in_loop_hook_is_plain_decoding(
-    target, noisy_drafter, drafter_name, num_slots):
-  drafter = noisy_drafter if drafter_name == "draft_model" else drafters.NGram(n=2)
+# Two widths each, (3, 2) and (8, 4): every width compiles every shape again. The
+# draft-model case, the carried controller and the calibration share one program.
+THREE_SLOTS = EngineConfig(page_size=4, num_slots=3, compaction=True, compaction_min_width=2)
+ONE_PER_SAMPLE = EngineConfig(page_size=4, num_slots=0, compaction=True, compaction_min_width=4)
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
   stop = testing.greedy_reference(target, PROMPTS, 12)[0][2]  # ends some early
-  sampling = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))
-  plain = generate(target, PROMPTS, sampling=sampling, engine=EngineConfig(page_size=4))
+  return SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))
+
+
+def _fresh_controller():
   config = in_loop_config(SPEC)
-  engine = EngineConfig(page_size=4, num_slots=num_slots, compaction=True)
-  widths = 3 if num_slots == 3 else 4   # (3, 2, 1) or (8, 4, 2, 1)
+  return InLoopState.initial(config, np.ones((len(config.shapes), 2)))
+
+
+@pytest.mark.parametrize("drafter_name,engine", [("draft_model", THREE_SLOTS),
+                                                 ("ngram", ONE_PER_SAMPLE)],
+                         ids=["draft_model-3", "ngram-0"])
+def test_greedy_decoding_through_the_in_loop_hook_is_plain_decoding(
+    target, noisy_drafter, greedy, drafter_name, engine):
+  drafter = noisy_drafter if drafter_name == "draft_model" else drafters.NGram(n=2)
+  plain = generate(target, PROMPTS, sampling=greedy, engine=EngineConfig(page_size=4))
   out, controller = generate_in_loop(
-      target, PROMPTS, sampling=sampling, rng=jax.random.key(0), drafter=drafter, spec=SPEC,
-      controller=InLoopState.initial(config, np.ones((len(config.shapes), widths))),
-      engine=engine)
+      target, PROMPTS, sampling=greedy, rng=jax.random.key(0), drafter=drafter, spec=SPEC,
+      controller=_fresh_controller(), engine=engine)
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.lengths, plain.lengths)
   rounds_SxW = np.asarray(controller.rounds_SxW)
@@ -122,17 +136,14 @@ def test_greedy_decoding_through_the_in_loop_hook_is_plain_decoding(
 
 
 def test_a_controller_carried_from_call_to_call_reuses_the_compiled_programs(
-    target, noisy_drafter):
+    target, noisy_drafter, greedy):
   """``generate_in_loop`` hands its controller back as host data; passing that to the
   next call, as a run carries it, compiles nothing new."""
-  sampling = SamplingParams(temperature=0.0, max_new_tokens=6)
-  engine = EngineConfig(page_size=4, num_slots=3, compaction=True)
-  config = in_loop_config(SPEC)
-  controller = InLoopState.initial(config, np.ones((len(config.shapes), 3)))
+  config, controller = in_loop_config(SPEC), _fresh_controller()
   for call in range(3):
-    out, after = generate_in_loop(target, PROMPTS, sampling=sampling, rng=jax.random.key(0),
+    out, after = generate_in_loop(target, PROMPTS, sampling=greedy, rng=jax.random.key(0),
                                   drafter=noisy_drafter, spec=SPEC, controller=controller,
-                                  engine=engine)
+                                  engine=THREE_SLOTS)
     controller = fade(config, controller, after)
     if call == 0:
       compiled = programs_compiled()
@@ -140,13 +151,10 @@ def test_a_controller_carried_from_call_to_call_reuses_the_compiled_programs(
 
 
 def test_calibration_times_every_shape_at_every_width_through_the_same_programs(
-    target, noisy_drafter):
-  stop = testing.greedy_reference(target, PROMPTS, 12)[0][2]
-  sampling = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))
-  engine = EngineConfig(page_size=4, num_slots=3, compaction=True)
-  calibration = calibrate(target, PROMPTS, sampling=sampling, drafter=noisy_drafter,
-                          spec=SPEC, engine=engine, rng=jax.random.key(0))
-  assert calibration.widths == (3, 2, 1)
-  assert calibration.cost_SxW.shape == (len(in_loop_config(SPEC).shapes), 3)
+    target, noisy_drafter, greedy):
+  calibration = calibrate(target, PROMPTS, sampling=greedy, drafter=noisy_drafter,
+                          spec=SPEC, engine=THREE_SLOTS, rng=jax.random.key(0))
+  assert calibration.widths == (3, 2)
+  assert calibration.cost_SxW.shape == (len(in_loop_config(SPEC).shapes), 2)
   assert np.all(np.isfinite(calibration.cost_SxW)) and np.all(calibration.cost_SxW > 0)
   assert calibration.fixed_seconds >= 0
