@@ -16,7 +16,8 @@ controller's first measurements).
   python experiments/bench_rl_inloop.py [--policy tiny|demo|small|medium]
       [--task longtail|arithmetic] [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1]
       [--num-slots 4] [--prompts-per-step 16] [--fixed 2,4|none] [--forced 0,3,4]
-      [--drafter-data rollouts|solutions] [--step-share] [--set=--SECTION.FIELD=VALUE ...]
+      [--drafter-data rollouts|solutions] [--step-share] [--refresh 0.5]
+      [--set=--SECTION.FIELD=VALUE ...]
 
 --policy tiny: the tiny (test) preset's policy and drafter shapes; demo: the demo
 preset's 11.5M policy and 128 x 1 drafter (a forward bound by reading the weights at
@@ -26,12 +27,17 @@ digits) with its draft model distilled on --task: by default further on 512 of t
 target's own rollouts of it (spec_pair.load_or_distill_on_rollouts), with
 --drafter-data solutions only on the task's worked solutions (both cached under
 artifacts/). --forced K runs the adaptive program pinned to chain K (0: plain) as an
-extra arm; --step-share also times the adaptive arm's whole sync step.
+extra arm; --step-share also times the adaptive arm's whole sync step. --refresh W adds
+"adaptive_refreshed": the adaptive arm's program and calibrated table, the table then
+refreshed after each of its rollouts from that rollout's own seconds
+(``shape_control.refreshed``, what an async run with --drafter.refresh_weight=W does;
+not after the first warm-up step's rollout, which compiles).
 
 Prints one JSON object: per arm the median generation seconds, the per-step speed-ups
 over plain decoding (median and range), acceptance, rounds and tokens per width and
 milliseconds per round; for the adaptive arm the shape that ran most at each width per
-step, rounds per shape and width, the round-cost table and the exploration rounds.
+step, rounds per shape and width, the round-cost table, the exploration rounds and how
+far the table's prediction of each rollout's seconds was from the measured seconds.
 """
 
 from __future__ import annotations
@@ -57,8 +63,9 @@ import spec_pair  # noqa: E402
 from specrl_jax.rl.app.experiment import PRESETS, experiment_config  # noqa: E402
 from specrl_jax.rl.app.train_command import Session  # noqa: E402
 from specrl_jax.rl.loop.rollout import rollout_metrics  # noqa: E402
-from specrl_jax.rl.loop.shape_control import (controller_metrics, shape_labels,  # noqa: E402
-                                              step_counters)
+from specrl_jax.parallel.mesh import data_parallel_size  # noqa: E402
+from specrl_jax.rl.loop.shape_control import (controller_metrics, refreshed,  # noqa: E402
+                                              shape_labels, step_counters)
 from specrl_jax.rl.loop.sync import build_program, prompts_on_mesh  # noqa: E402
 
 
@@ -91,6 +98,10 @@ def _parse(argv=None):
   parser.add_argument("--fixed", default="",
                       help="the fixed chains to run, e.g. 2,4 (default 1..K; none: no fixed "
                       "chain)")
+  parser.add_argument("--refresh", type=float, default=0.0, metavar="WEIGHT",
+                      help="also the adaptive arm with its round costs refreshed after "
+                      "each rollout from the rollout's own seconds, as an async run with "
+                      "--drafter.refresh_weight=WEIGHT does (from the same calibration)")
   parser.add_argument("--set", action="append", default=[], metavar="--SECTION.FIELD=VALUE")
   return parser.parse_args(argv)
 
@@ -99,6 +110,8 @@ class Arm:
   """One rollout program and the train state it reads (the adaptive arm's controller
   is carried from rollout to rollout)."""
 
+  refresh_weight = 0.0  # > 0: the table refreshed from each rollout's seconds
+
   def __init__(self, name: str, base: Session, models, drafter_overrides: dict):
     # A session per arm from the same config but for the drafter: the same prompts,
     # rngs and warm-started models.
@@ -106,9 +119,11 @@ class Arm:
         base.config.drafter, **drafter_overrides))
     session = Session(config, log=base.log)
     self.name, self.session = name, session
+    started = time.perf_counter()
     drafter, online = session.drafter_for(models)
     self.mesh, _ = session.meshes()
     self.state = session.initial_state(models, online, self.mesh)  # adaptive: calibrates
+    self.setup_seconds = time.perf_counter() - started
     self.program = build_program(
         nnx.split(models.policy)[0], models.policy.config, session.task, session.learner,
         session.rollout_config, self.mesh, self.state, prompt_width=session.prompt_width,
@@ -125,9 +140,20 @@ class Arm:
     record = {k: np.asarray(v).tolist() for k, v in jax.device_get(rollout_metrics(
         trajectories, self.session.rollout_config.sampling.max_new_tokens)).items()}
     if trajectories.controller is not None:
+      counters = step_counters(before, trajectories.controller)
       record.update({k: np.asarray(v).tolist() for k, v in jax.device_get(controller_metrics(
-          trajectories.controller, step_counters(before, trajectories.controller))).items()})
-      self.state = self.state.replace(controller=trajectories.controller)
+          trajectories.controller, counters)).items()})
+      # What the table the rollout chose with predicted for it (one batch shard's share
+      # of the rounds: the shards decode side by side), against what it took.
+      shards = data_parallel_size(self.mesh)
+      rounds_SxW = np.asarray(jax.device_get(counters["shape_rounds_SxW"]))
+      table, fixed = jax.device_get((before.cost_SxW, before.fixed_seconds))
+      record["predicted_seconds"] = float(fixed + np.sum(rounds_SxW / shards * table))
+      controller = trajectories.controller
+      if self.refresh_weight and step > 0:  # step 0's first rollout compiled its program
+        controller = refreshed(controller, rounds_SxW, seconds, weight=self.refresh_weight,
+                               shards=shards)
+      self.state = self.state.replace(controller=controller)
     return record, seconds
 
   def step_seconds(self, step: int) -> float:
@@ -137,6 +163,25 @@ class Arm:
     started = time.perf_counter()
     jax.block_until_ready(self.program.rl_step(state, prompts, self.session.step_rng(step)))
     return time.perf_counter() - started
+
+
+def controller_report(records: list[dict], seconds: list[float], labels) -> dict:
+  """An adaptive arm's choices over the timed steps, its last round-cost table, and how
+  far its table's prediction of each rollout's seconds was from the rollout's own."""
+  errors = [abs(r["predicted_seconds"] / s - 1) for r, s in zip(records, seconds)]
+  return dict(
+      shape_labels=labels,
+      shape_by_width_per_step=[[labels[i] if i >= 0 else None for i in r["inloop_shape_by_width"]]
+                               for r in records],
+      rounds_by_shape_and_width={label: np.sum(
+          [r[f"inloop_rounds_{label}"] for r in records], axis=0).tolist() for label in labels},
+      exploration_rounds_per_step=[r["inloop_exploration_rounds"] for r in records],
+      round_seconds_ms={label: [1e3 * x for x in records[-1][f"inloop_round_seconds_{label}"]]
+                        for label in labels},
+      acceptance_per_position=records[-1]["inloop_acceptance"],
+      predicted_seconds=[r["predicted_seconds"] for r in records],
+      prediction_error_median=statistics.median(errors),
+      prediction_error_range=[min(errors), max(errors)])
 
 
 def preset_shapes(name: str) -> list[str]:
@@ -185,6 +230,10 @@ def main(argv=None) -> int:
     forced.state = forced.state.replace(controller=forced.state.controller.replace(
         force=jnp.int32(labels.index(label))))
     arms.insert(len(arms) - 1, forced)
+  if args.refresh:  # the adaptive arm's program and calibration, its table refreshed
+    fresh = copy.copy(arms[-1])
+    fresh.name, fresh.refresh_weight = "adaptive_refreshed", args.refresh
+    arms.insert(len(arms) - 1, fresh)
   for step in range(args.warmup):
     for arm in arms:
       arm.roll_out(step)
@@ -209,6 +258,10 @@ def main(argv=None) -> int:
     speedups = [p / s for p, s in zip(seconds["plain"], seconds[arm.name])]
     report["arms"][arm.name] = {
         "generation_seconds_median": statistics.median(seconds[arm.name]),
+        # The arm's train state built (the adaptive arm's: its calibration, compiles
+        # and all), before its first rollout; the forced and refreshed arms are copies
+        # of the adaptive one and report its figure.
+        "setup_seconds": arm.setup_seconds,
         "generation_seconds": seconds[arm.name],
         "speedup_vs_plain_median": statistics.median(speedups),
         "speedup_vs_plain_range": [min(speedups), max(speedups)],
@@ -233,17 +286,13 @@ def main(argv=None) -> int:
       own: statistics.median([a / b for a, b in zip(seconds[forced], seconds[own])])
       for own, forced in pairs.items() if own in seconds}
   labels = shape_labels(adaptive.state.controller)
-  report["arms"]["adaptive"].update(
-      shape_labels=labels,
-      shape_by_width_per_step=[[labels[i] if i >= 0 else None for i in r["inloop_shape_by_width"]]
-                               for r in records["adaptive"]],
-      rounds_by_shape_and_width={label: np.sum(
-          [r[f"inloop_rounds_{label}"] for r in records["adaptive"]], axis=0).tolist()
-          for label in labels},
-      exploration_rounds_per_step=[r["inloop_exploration_rounds"] for r in records["adaptive"]],
-      round_seconds_ms={label: [1e3 * x for x in records["adaptive"][-1][
-          f"inloop_round_seconds_{label}"]] for label in labels},
-      acceptance_per_position=records["adaptive"][-1]["inloop_acceptance"])
+  for name in ("adaptive", "adaptive_refreshed"):
+    if name in records:
+      report["arms"][name].update(controller_report(records[name], seconds[name], labels))
+  if "adaptive_refreshed" in seconds:
+    ratios = [a / r for a, r in zip(seconds["adaptive"], seconds["adaptive_refreshed"])]
+    report["refreshed_vs_adaptive"] = statistics.median(ratios)
+    report["refreshed_vs_adaptive_range"] = [min(ratios), max(ratios)]
   if step_seconds:
     report["adaptive_step_seconds"] = step_seconds
     report["generation_share_of_step"] = statistics.median(
