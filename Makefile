@@ -11,7 +11,8 @@ PY := $(VENV)/bin/python
 # per program, and workers wait on subprocesses. Measured once each, not side by side:
 # 23:31 with three in a fresh clone, 24:23 with two. The suite's XLA flags (tests/
 # conftest.py) took it from 25:16 to 17:46 on the same machine, three workers each;
-# `CI=true bash .ci/run` in a fresh clone: 17:32 of pytest, 18:43 with the install.
+# `CI=true bash .ci/run` in a fresh clone: 17:32 of pytest, 18:43 with the install
+# (14:59 and 16:04 after the suite's cuts of 95b271c).
 PYTEST_WORKERS ?= 3
 
 .PHONY: demo test test-full results results-quick bench clean
