@@ -43,6 +43,12 @@ def noisy_drafter(target):
   return drafters.DraftModel(testing.perturbed_model(target, seed=2, noise=0.3))
 
 
+def fresh_controller():
+  """A controller for SPEC at two widths, every round seconds 1 (plain as dear as any)."""
+  config = in_loop_config(SPEC)
+  return InLoopState.initial(config, np.ones((len(config.shapes), 2)))
+
+
 def responses(trajectories, prompt_length: int):
   """(tokens [R, MAX_NEW] with -1 after each end, lengths [R]) of the rollout's rows."""
   rows = np.asarray(trajectories.batch.tokens)
@@ -72,9 +78,8 @@ def test_rl_rollout_samples_follow_the_exact_joint_while_the_shape_changes_per_r
                                        sampling=sampling),
                          mesh, prompt_width=prompt_set.tokens_PxT.shape[1],
                          drafter=noisy_drafter, spec=SPEC, engine=engine)
-  config = in_loop_config(SPEC)
   # Plain rounds cost what chains do: drafting wins wherever acceptance is high.
-  controller = InLoopState.initial(config, np.ones((len(config.shapes), 2)))
+  controller = fresh_controller()
   batch = prompt_set.take([0] * PROMPTS_PER_STEP)
   trajectories = jax.jit(rollout)(params, noisy_drafter.params(), batch, jax.random.key(7),
                                   0, controller)
@@ -113,11 +118,6 @@ def greedy(target):
   return SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))
 
 
-def _fresh_controller():
-  config = in_loop_config(SPEC)
-  return InLoopState.initial(config, np.ones((len(config.shapes), 2)))
-
-
 @pytest.mark.parametrize("drafter_name,engine", [("draft_model", THREE_SLOTS),
                                                  ("ngram", ONE_PER_SAMPLE)],
                          ids=["draft_model-3", "ngram-0"])
@@ -127,7 +127,7 @@ def test_greedy_decoding_through_the_in_loop_hook_is_plain_decoding(
   plain = generate(target, PROMPTS, sampling=greedy, engine=EngineConfig(page_size=4))
   out, controller = generate_in_loop(
       target, PROMPTS, sampling=greedy, rng=jax.random.key(0), drafter=drafter, spec=SPEC,
-      controller=_fresh_controller(), engine=engine)
+      controller=fresh_controller(), engine=engine)
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   np.testing.assert_array_equal(out.lengths, plain.lengths)
   rounds_SxW = np.asarray(controller.rounds_SxW)
@@ -139,7 +139,7 @@ def test_a_controller_carried_from_call_to_call_reuses_the_compiled_programs(
     target, noisy_drafter, greedy):
   """``generate_in_loop`` hands its controller back as host data; passing that to the
   next call, as a run carries it, compiles nothing new."""
-  config, controller = in_loop_config(SPEC), _fresh_controller()
+  config, controller = in_loop_config(SPEC), fresh_controller()
   for call in range(3):
     out, after = generate_in_loop(target, PROMPTS, sampling=greedy, rng=jax.random.key(0),
                                   drafter=noisy_drafter, spec=SPEC, controller=controller,
