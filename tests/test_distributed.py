@@ -27,6 +27,7 @@ from specrl_jax.parallel import batch_sharding, distributed, make_mesh
 from specrl_jax.rl.app import train_command
 from specrl_jax.rl.loop.learner import abstract_train_state
 from specrl_jax.rl.app.metrics import read_jsonl
+from specrl_jax.speculative.inloop_calibration import refresh
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 # Every subprocess is killed (SIGKILL: jax.distributed catches SIGTERM) after this.
@@ -379,6 +380,48 @@ def test_async_rl_with_rollouts_and_training_on_different_processes_matches_one(
   theirs = worker.flat(jax.device_get(async_rl_runs["session"].state.params))
   for name, value in ours.items():
     _close(value, theirs[name])
+
+
+
+# The n-gram drafter needs no warm start of its own, so the sync runs' warm start serves.
+REFRESH_ARGS = ["--drafter.kind=ngram", "--drafter.num_draft_tokens=2",
+                "--drafter.adaptive=true", "--drafter.refresh_weight=0.5", "--rl.steps=4"]
+
+
+@pytest.fixture(scope="module")
+def async_refresh_run(rl_runs):
+  """Two-process async RL (rollouts on process 0, training on process 1) with the
+  in-loop controller's table measured at the start and refreshed after every rollout."""
+  root = rl_runs["root"]
+  shutil.copytree(root / "two" / "warm_start", root / "refresh" / "warm_start")
+  (root / "refresh_logs").mkdir()
+  _run_ok(_two_processes(
+      [sys.executable, "-m", "specrl_jax.rl.app.train_command", *TRAIN_ARGS, *ASYNC_ARGS,
+       *REFRESH_ARGS, f"--output.directory={root / 'refresh'}"]), root / "refresh_logs")
+  return read_jsonl(root / "refresh" / "metrics.jsonl")
+
+
+def test_two_processes_refresh_the_table_from_the_rollouts_seconds_on_process_0(
+    async_refresh_run):
+  """The table lives on process 1's train mesh, the rollout's clock on process 0: the
+  refreshed table is the one process 0's logged seconds give (a process refreshing from
+  its own clock would give another), and the next rollout chooses with it."""
+  steps = async_refresh_run
+  assert [r["step"] for r in steps] == [0, 1, 2, 3]
+  labels = ("plain", "chain_k1", "chain_k2")
+  table = [np.array([r[f"inloop_round_seconds_{x}"] for x in labels]) for r in steps]
+  rounds = [np.array([r[f"inloop_rounds_{x}"] for x in labels]) for r in steps]
+  fixed = steps[0]["inloop_fixed_seconds"]
+  assert all(r["inloop_fixed_seconds"] == fixed for r in steps)
+  # max_policy_lag 1: batch 3 chose with the table update 1 left. Batch 1's rounds ran
+  # on the rollout mesh's 4 batch shards side by side, each a quarter of them.
+  expected = refresh(table[1], fixed, rounds[1] / 4, steps[1]["rollout_seconds"], 0.5)
+  np.testing.assert_allclose(table[3], expected, rtol=1e-5)
+  ran = rounds[1] > 0
+  assert ran.any() and not np.allclose(table[3][ran], table[1][ran], rtol=1e-3)
+  np.testing.assert_array_equal(table[3][~ran], table[1][~ran])
+  # Batch 0's rollout compiled its program (its seconds time that too): no refresh.
+  np.testing.assert_array_equal(table[2], table[0])
 
 
 def test_the_two_process_rl_checkpoint_restores_on_one_to_the_same_parameters(rl_runs):

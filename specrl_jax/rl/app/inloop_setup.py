@@ -45,14 +45,19 @@ def round_cost_table(section: DrafterSection, policy: nnx.Module, drafter: Draft
           f"{shapes} shapes x {len(widths)} widths {widths} = {shapes * len(widths)} "
           "(rows plain, chains, trees; columns widest first).")
     return np.asarray(section.round_seconds, np.float32).reshape(shapes, len(widths)), 0.0
-  graphdef, params = nnx.split(policy)
-  calibration = calibrate_rollout(graphdef, params, drafter.params(), policy.config,
-                                  rollout_config, rollout_mesh, prompts=prompts,
-                                  prompt_width=prompt_width, drafter=drafter, spec=spec,
-                                  engine=engine, rng=rng,
-                                  repeats=section.calibration_repeats)
-  cost_SxW, fixed = calibration.cost_SxW, np.float32(calibration.fixed_seconds)
-  if jax.process_count() > 1:  # every process must choose alike: process 0's timings
+  # Every process must choose alike: process 0 measures (it holds the rollout mesh's
+  # first devices) and the others take its table; their clocks would differ.
+  if jax.process_index() == 0:
+    graphdef, params = nnx.split(policy)
+    calibration = calibrate_rollout(graphdef, params, drafter.params(), policy.config,
+                                    rollout_config, rollout_mesh, prompts=prompts,
+                                    prompt_width=prompt_width, drafter=drafter, spec=spec,
+                                    engine=engine, rng=rng,
+                                    repeats=section.calibration_repeats)
+    cost_SxW, fixed = calibration.cost_SxW, np.float32(calibration.fixed_seconds)
+  else:
+    cost_SxW, fixed = np.zeros((shapes, len(widths)), np.float32), np.float32(0)
+  if jax.process_count() > 1:
     cost_SxW, fixed = multihost_utils.broadcast_one_to_all((cost_SxW, fixed))
   labels = in_loop_config(spec).labels
   log("in-loop controller: round seconds measured per width "

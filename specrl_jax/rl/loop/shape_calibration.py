@@ -2,8 +2,9 @@
 
 ``calibrate_rollout`` times each shape of the menu on the first batch shard's prompts
 of a step, with that shard's layout (slots, pages, compaction widths) and the same
-round hook the rollout compiles, on one device of the run: one compiled program per
-compaction width, each timed apart (``speculative.inloop_calibration.time_shapes``).
+round hook the rollout compiles, on the first device of the rollout mesh that this
+process drives: one compiled program per compaction width, each timed apart
+(``speculative.inloop_calibration.time_shapes``).
 On a mesh that splits heads over "tensor" the calibration still decodes with whole
 weights on one device, so its costs are those of one shard's work done alone.
 """
@@ -49,7 +50,13 @@ def calibrate_rollout(graphdef: nnx.GraphDef, params, drafter_params, model_conf
   widths = stage_widths(layout.num_slots, layout.compaction_min_width)
   local = rollout_config.prompts_per_step // data_parallel_size(mesh)
   group = rollout_config.group_size
-  device = jax.devices()[0]
+  # A device this process drives: under multi-process async the rollout mesh is not
+  # every process's, and jax.devices()[0] is process 0's.
+  device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                None)
+  if device is None:
+    raise ValueError(f"calibrate_rollout: process {jax.process_index()} holds none of the "
+                     "rollout mesh's devices; call it on a process that does (process 0).")
   inputs = jax.device_put((
       np.asarray(prompts.tokens_PxT)[:local], np.asarray(prompts.lengths_P)[:local],
       np.repeat(np.arange(local, dtype=np.int32), group),

@@ -7,6 +7,8 @@ Metrics (per RL step; W widths of slot compaction, widest first):
   inloop_rounds_<label> [W]: rounds of that shape at each width;
   inloop_round_seconds_<label> [W]: the round-cost table the step chose with (async
     runs with ``refresh_weight`` > 0: refreshed from every rollout's own time);
+  inloop_fixed_seconds: the table's seconds of a rollout outside its rounds (prefill,
+    dispatch), which a refresh takes off a rollout's own seconds first;
   inloop_acceptance [K]: the carried per-position acceptance estimate;
   inloop_exploration_rounds [W]: rounds run to explore (untried shapes, re-tries).
 """
@@ -87,7 +89,8 @@ def controller_metrics(controller: InLoopState, counters: dict[str, Array]
   metrics = {
       "inloop_shape_by_width": jnp.where(ran_W, jnp.argmax(rounds_SxW, axis=0), -1),
       "inloop_acceptance": acceptance_rates(controller.accepted_Z, controller.reached_Z),
-      "inloop_exploration_rounds": counters["exploration_rounds_W"]}
+      "inloop_exploration_rounds": counters["exploration_rounds_W"],
+      "inloop_fixed_seconds": controller.fixed_seconds}
   for s, label in enumerate(shape_labels(controller)):
     metrics[f"inloop_rounds_{label}"] = rounds_SxW[s]
     metrics[f"inloop_round_seconds_{label}"] = controller.cost_SxW[s]
