@@ -34,7 +34,6 @@ TRANSFORMER_RULES: PartitionRules = (
 )
 
 
-
 # In a rollout the vocabulary stays whole and the embedding's width is split instead:
 # logits then come out of one all-reduce over the tensor group, replicated, and sampling
 # reads them locally. Vocabulary-split logits made the partitioner slice them with

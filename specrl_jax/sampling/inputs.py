@@ -135,7 +135,6 @@ def check_spec(spec: Any, vocab_size: int) -> None:
                       "children per node.")
 
 
-
 def check_arguments(config, prompts: Any, *, sampling: Any, rng: Any, drafter: Any,
                     spec: Any) -> tuple[list[list[int]], jax.Array]:
   """All of ``generate``'s checks against the target's ``config``: (prompts as lists of

@@ -53,8 +53,6 @@ def in_loop_rollout(graphdef, params, hook_params: tuple, tokens_UxT, lengths_U,
   return final.replace(drafter=drafter_state), controller
 
 
-
-
 def generate_in_loop(model: Transformer, prompts: Sequence[Sequence[int]], *,
                      sampling: SamplingParams, rng: jax.Array, drafter: Drafter,
                      spec: SpecConfig, controller: InLoopState,

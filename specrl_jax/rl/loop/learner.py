@@ -49,8 +49,6 @@ from specrl_jax.rl.loop.train_state import (  # noqa: F401  (re-exported: the le
 Array = jax.Array
 
 
-
-
 # ----------------------------------------------------------------------------- state
 
 def train_state_shardings(state: TrainState, mesh: Mesh,
