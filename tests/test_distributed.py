@@ -1,7 +1,8 @@
 """Multi-process execution: two processes of 4 CPU devices (gloo collectives) compute
 what one process of 8 devices does, share checkpoints with it in both directions,
-move weights and trajectories between sub-meshes of different processes, and fail
-with a clear error in bounded time when the coordinator or a peer is missing.
+move weights and trajectories between sub-meshes of different processes, share one
+clock for the in-loop controller's round costs (process 0's), and fail with a clear
+error in bounded time when the coordinator or a peer is missing.
 
 The one-process references run in this pytest process (8 devices, see conftest.py);
 the two-process runs are subprocesses on localhost.
@@ -380,7 +381,6 @@ def test_async_rl_with_rollouts_and_training_on_different_processes_matches_one(
   theirs = worker.flat(jax.device_get(async_rl_runs["session"].state.params))
   for name, value in ours.items():
     _close(value, theirs[name])
-
 
 
 # The n-gram drafter needs no warm start of its own, so the sync runs' warm start serves.
