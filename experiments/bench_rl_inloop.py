@@ -17,7 +17,7 @@ controller's first measurements).
       [--task longtail|arithmetic] [--steps 6] [--warmup 2] [--k 4] [--trees 2x2x1,3x1]
       [--num-slots 4] [--prompts-per-step 16] [--fixed 2,4|none] [--forced 0,3,4]
       [--drafter-data rollouts|solutions] [--step-share] [--refresh 0.5]
-      [--set=--SECTION.FIELD=VALUE ...]
+      [--recalibrate 1,3,3] [--set=--SECTION.FIELD=VALUE ...]
 
 --policy tiny: the tiny (test) preset's policy and drafter shapes; demo: the demo
 preset's 11.5M policy and 128 x 1 drafter (a forward bound by reading the weights at
@@ -31,7 +31,10 @@ extra arm; --step-share also times the adaptive arm's whole sync step. --refresh
 "adaptive_refreshed": the adaptive arm's program and calibrated table, the table then
 refreshed after each of its rollouts from that rollout's own seconds
 (``shape_control.refreshed``, what an async run with --drafter.refresh_weight=W does;
-not after the first warm-up step's rollout, which compiles).
+not after the first warm-up step's rollout, which compiles). --recalibrate 1,3,3 adds
+one adaptive arm per value, "adaptive_r<N>_<i>", each with its own calibration of N
+passes (--drafter.calibration_repeats=N): how often a calibration picks a losing shape,
+several samples in one interleaved run.
 
 Prints one JSON object: per arm the median generation seconds, the per-step speed-ups
 over plain decoding (median and range), acceptance, rounds and tokens per width and
@@ -102,6 +105,9 @@ def _parse(argv=None):
                       help="also the adaptive arm with its round costs refreshed after "
                       "each rollout from the rollout's own seconds, as an async run with "
                       "--drafter.refresh_weight=WEIGHT does (from the same calibration)")
+  parser.add_argument("--recalibrate", default="", metavar="N,N,...",
+                      help="extra adaptive arms, one per value, each calibrated anew with "
+                      "that many passes (--drafter.calibration_repeats)")
   parser.add_argument("--set", action="append", default=[], metavar="--SECTION.FIELD=VALUE")
   return parser.parse_args(argv)
 
@@ -219,6 +225,9 @@ def main(argv=None) -> int:
   fixed = (range(1, args.k + 1) if not args.fixed else []
            if args.fixed == "none" else [int(k) for k in args.fixed.split(",")])
   specs.update({f"chain_k{k}": dict(num_draft_tokens=k) for k in fixed})
+  for i, passes in enumerate(int(n) for n in args.recalibrate.split(",") if n):
+    specs[f"adaptive_r{passes}_{i}"] = dict(adaptive=True, adaptive_trees=trees,
+                                            calibration_repeats=passes)
   specs["adaptive"] = dict(adaptive=True, adaptive_trees=trees)
   arms = [Arm(name, base, models, spec) for name, spec in specs.items()]
   forced_ks = [int(k) for k in args.forced.split(",") if k]
@@ -286,9 +295,13 @@ def main(argv=None) -> int:
       own: statistics.median([a / b for a, b in zip(seconds[forced], seconds[own])])
       for own, forced in pairs.items() if own in seconds}
   labels = shape_labels(adaptive.state.controller)
-  for name in ("adaptive", "adaptive_refreshed"):
-    if name in records:
-      report["arms"][name].update(controller_report(records[name], seconds[name], labels))
+  controlled = [arm for arm in arms if arm.state.controller is not None
+                and not arm.name.startswith("adaptive_forced")]
+  for arm in controlled:
+    report["arms"][arm.name].update(controller_report(records[arm.name], seconds[arm.name],
+                                                      labels))
+    report["arms"][arm.name]["calibration_repeats"] = (
+        arm.session.config.drafter.calibration_repeats)
   if "adaptive_refreshed" in seconds:
     ratios = [a / r for a, r in zip(seconds["adaptive"], seconds["adaptive_refreshed"])]
     report["refreshed_vs_adaptive"] = statistics.median(ratios)
@@ -301,8 +314,11 @@ def main(argv=None) -> int:
   if fixed:
     best = min(fixed, key=lambda name: statistics.median(seconds[name]))
     report["best_fixed"] = best
-    report["adaptive_vs_best_fixed"] = statistics.median(
-        [b / a for a, b in zip(seconds["adaptive"], seconds[best])])
+    vs_best = {arm.name: statistics.median([b / a for a, b in zip(seconds[arm.name],
+                                                                  seconds[best])])
+               for arm in controlled}
+    report["adaptive_vs_best_fixed"] = vs_best["adaptive"]
+    report["vs_best_fixed_by_arm"] = vs_best
   report["adaptive_vs_plain"] = report["arms"]["adaptive"]["speedup_vs_plain_median"]
   print(json.dumps(report, indent=2))
   return 0

@@ -3,10 +3,11 @@ tried once per width first (the longest chain, then the trees, plain decoding, t
 shorter chains); then the shape with the most expected tokens per measured second
 wins, plain decoding unless a drafting shape beats it by min_gain; a losing shape is
 re-tried at doubling intervals; acceptance is counted per position as the host
-controller counts it; a forced shape (calibration) always runs. The refresh from a
-rollout's own time rescales only the cells it ran; bad menus and cost tables are
-refused by name. Calibration times each shape after an untimed first pass and never
-lets a narrower width cost more per round than a wider one."""
+controller counts it, and a thinly reached position is estimated near the one before
+it, as the host controller estimates it; a forced shape (calibration) always runs. The
+refresh from a rollout's own time rescales only the cells it ran; bad menus and cost
+tables are refused by name. Calibration times each shape after an untimed first pass
+and never lets a narrower width cost more per round than a wider one."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from specrl_jax.config import ConfigError
+from specrl_jax.speculative.adaptive import DraftLengthController
 from specrl_jax.speculative.expected import expected_tokens_per_round
 from specrl_jax.speculative.inloop import (
     InLoopConfig, InLoopState, acceptance_rates, best_shape, choose, expected_tokens_S, observe,
@@ -94,6 +96,28 @@ def test_acceptance_is_counted_per_position_reached_as_the_host_controller_count
   np.testing.assert_array_equal(state.tree_accepted_T, [3])   # trees: their own counts
   np.testing.assert_array_equal(state.tree_drafted_T, [4])
   np.testing.assert_array_equal(state.accepted_Z, [3, 1, 0])
+
+
+def test_a_thinly_reached_position_is_estimated_near_the_one_before_it_not_near_one_half():
+  # Position 2 was reached in half a round (faded exploration counts) and accepted there.
+  accepted_Z, reached_Z = np.array([80.0, 62.0, 0.4]), np.array([100.0, 81.0, 0.5])
+  rates = np.asarray(acceptance_rates(jnp.asarray(accepted_Z), jnp.asarray(reached_Z)))
+  np.testing.assert_allclose(rates[:2], [81 / 102, (62 + 2 * 81 / 102) / 83], rtol=1e-6)
+  assert abs(rates[2] - rates[1]) < 0.02 and rates[2] > 0.7
+  # The estimate is continuous in the counts: never reached, a position repeats the one
+  # before; reached 1e-3 times, it moves by less than 1e-3.
+  never = np.asarray(acceptance_rates(jnp.asarray(accepted_Z * [1, 1, 0]),
+                                      jnp.asarray(reached_Z * [1, 1, 0])))
+  barely = np.asarray(acceptance_rates(jnp.asarray([80.0, 62.0, 0.0]),
+                                       jnp.asarray([100.0, 81.0, 1e-3])))
+  assert never[2] == never[1] and abs(barely[2] - never[2]) < 1e-3
+  # Many rounds outweigh the prior.
+  many = np.asarray(acceptance_rates(jnp.asarray([80.0, 62.0, 3000.0]),
+                                     jnp.asarray([100.0, 81.0, 10000.0])))
+  assert abs(many[2] - 0.3) < 1e-3
+  host = DraftLengthController(k_max=3)
+  host.accepted_Z, host.reached_Z = accepted_Z, reached_Z
+  np.testing.assert_allclose(host.acceptance(), rates, rtol=1e-6)
 
 
 def test_a_forced_shape_always_runs_and_explores_nothing():

@@ -42,7 +42,8 @@ from typing import Sequence
 import numpy as np
 
 from specrl_jax.config import check
-from specrl_jax.speculative.expected import expected_rounds_to_finish, expected_tokens_per_round
+from specrl_jax.speculative.expected import (PRIOR_ROUNDS, expected_rounds_to_finish,
+                                             expected_tokens_per_round)
 
 
 @dataclasses.dataclass
@@ -99,12 +100,13 @@ class DraftLengthController:
     self.reached_Z = np.zeros(self.k_max)
 
   def acceptance(self) -> np.ndarray:
-    """Conditional acceptance per position (a Laplace estimate; positions never reached
-    repeat the deepest measured one)."""
+    """Conditional acceptance per position: position 0 a Laplace estimate, each deeper
+    one shrunk toward the position before it (``expected.PRIOR_ROUNDS``: a position
+    never reached repeats the one before)."""
     rates = (self.accepted_Z + 1) / (self.reached_Z + 2)
     for i in range(1, self.k_max):
-      if self.reached_Z[i] == 0:
-        rates[i] = rates[i - 1]
+      rates[i] = ((self.accepted_Z[i] + PRIOR_ROUNDS * rates[i - 1])
+                  / (self.reached_Z[i] + PRIOR_ROUNDS))
     return rates
 
   def predicted_round_seconds(self, k: int) -> float:

@@ -13,6 +13,15 @@ import numpy as np
 
 from specrl_jax.config import check, check_non_negative_int, is_finite_number
 
+# Pseudo-rounds of the prior on a chain position's acceptance: position 0 starts at 1/2
+# (Laplace); a deeper one at the estimate of the position before it. Deep positions are
+# reached only by the rounds that accepted every earlier draft, often only in exploration
+# rounds of the longest chain, and fading halves their counts at each rollout's end: a
+# prior of 1/2 there held them near 1/2 while the drafter accepted ~0.76 (38M pair,
+# docs/results.md, "In-loop adaptive"), and a position reached 0.01 times jumped from
+# the previous position's rate to 1/2.
+PRIOR_ROUNDS = 2.0
+
 
 def check_acceptance(per_position_acceptance: Sequence[float],
                      owner: str = "SpeculationCostModel") -> tuple[float, ...]:

@@ -7,15 +7,16 @@ at most two trees) shares one decode state built for the longest chain, and the 
 loop runs the chosen shape's round on it (``speculative.inloop_hook``: one inner loop
 per run of rounds of a shape, so the page pool is not copied every round). Plain rounds
 count nothing the rule reads, so a run of them asks it once (``plain_streak``) and
-settles its bookkeeping after (``settle_plain``). Every shape's round is lossless on the same state, so the output's distribution never
-depends on the choice.
+settles its bookkeeping after (``settle_plain``). Every shape's round is lossless on
+the same state, so the output's distribution never depends on the choice.
 
 The rule is the host controller's arithmetic: a chain of k drafts emits
 1 + sum_{i<k} prod_{j<=i} a_j tokens per round from the per-position acceptance a
-(``speculative.expected.expected_tokens_per_round``; a Laplace estimate, positions never
-reached repeating the deepest one reached), a tree its measured tokens per drafting
-slot-round; each shape's expected tokens over its round's seconds at the live width is
-its rate, and a drafting shape must beat plain decoding by ``min_gain``. Round seconds
+(``speculative.expected.expected_tokens_per_round``; position 0 a Laplace estimate,
+each deeper one shrunk toward the one before it, ``expected.PRIOR_ROUNDS``), a tree its
+measured tokens per drafting slot-round; each shape's expected tokens over its round's
+seconds at the live width is its rate, and a drafting shape must beat plain decoding by
+``min_gain``. Round seconds
 per (shape, width) are measured (``speculative.inloop_calibration``), never modelled:
 ``InLoopState.cost_SxW`` is an input array. Exploration is the host controller's: each
 shape runs once at each width before any choice, and a losing shape is re-tried at
@@ -38,6 +39,7 @@ import numpy as np
 
 from specrl_jax.config import check, is_finite_number
 from specrl_jax.speculative.concurrency import Shape, check_tree_menu, shape_label
+from specrl_jax.speculative.expected import PRIOR_ROUNDS
 
 Array = jax.Array
 MAX_TREES = 2
@@ -97,7 +99,8 @@ class InLoopState:
   accepted_Z / reached_Z: faded counts, per chain position, of accepted drafts and of
     drafts reached (position i is reached by the rounds that accepted i - 1);
   tree_accepted_T / tree_drafted_T: per tree, faded accepted drafts and drafting
-    slot-rounds (one unused entry when the menu has no tree); cost_SxW: measured seconds per round of each shape at each width;
+    slot-rounds (one unused entry when the menu has no tree);
+  cost_SxW: measured seconds per round of each shape at each width;
   fixed_seconds: what a rollout spent outside its rounds when the table was measured
     (prefill, dispatch): left out when a rollout's own time refreshes the table;
   rounds_SxW: rounds each shape ran at each width, over the run; probes_W: of those,
@@ -148,12 +151,11 @@ class InLoopState:
 
 
 def acceptance_rates(accepted_Z: Array, reached_Z: Array) -> Array:
-  """Per-position conditional acceptance (Laplace); unreached positions repeat the
-  deepest reached one (``DraftLengthController.acceptance``)."""
-  rates = (accepted_Z + 1) / (reached_Z + 2)
-  out = [rates[0]]
-  for i in range(1, rates.shape[0]):
-    out.append(jnp.where(reached_Z[i] > 0, rates[i], out[-1]))
+  """Per-position conditional acceptance, each deeper position's estimate shrunk toward
+  the one before it (``expected.PRIOR_ROUNDS``; ``DraftLengthController.acceptance``)."""
+  out = [(accepted_Z[0] + 1) / (reached_Z[0] + 2)]
+  for i in range(1, accepted_Z.shape[0]):
+    out.append((accepted_Z[i] + PRIOR_ROUNDS * out[-1]) / (reached_Z[i] + PRIOR_ROUNDS))
   return jnp.stack(out)
 
 
