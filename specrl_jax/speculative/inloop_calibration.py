@@ -36,6 +36,15 @@ from specrl_jax.speculative.inloop_rollout import generate_in_loop, in_loop_conf
 from specrl_jax.speculative.rollout import rounds_of, speculation
 
 
+# Timed passes per shape, the median kept. One pass let a single slow rollout set a cell:
+# on the 38M pair it put k = 4 at 1.36x k = 2's round cost where the rollouts ran 1.21x,
+# and the controller settled on k = 2, 0.89x the best fixed chain; with three passes
+# three calibrations in two runs chose k = 4 (0.976-0.989x the best fixed chain), as did
+# 4 of 5 one-pass calibrations (docs/results.md, "In-loop adaptive"). The two extra
+# passes cost 25 s there on a fast CPU, 100 s on a slow one, once per run.
+REPEATS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
   """cost_SxW: median seconds per round of each shape at each width; fixed_seconds:
@@ -47,7 +56,7 @@ class Calibration:
 
 def calibrate(model: Transformer, prompts: Sequence[Sequence[int]], *,
               sampling: SamplingParams, drafter: Drafter, spec: SpecConfig,
-              engine: EngineConfig, rng: jax.Array, repeats: int = 1) -> Calibration:
+              engine: EngineConfig, rng: jax.Array, repeats: int = REPEATS) -> Calibration:
   """Times each shape of ``spec``'s in-loop menu on ``prompts`` through
   ``generate_in_loop`` (one device) ``repeats`` times."""
   config = in_loop_config(spec)
@@ -61,7 +70,8 @@ def calibrate(model: Transformer, prompts: Sequence[Sequence[int]], *,
 
 
 def time_shapes(run: Callable[[InLoopState, jax.Array], GenerateOutput], config: InLoopConfig,
-                widths: tuple[int, ...], *, rng: jax.Array, repeats: int = 1) -> Calibration:
+                widths: tuple[int, ...], *, rng: jax.Array, repeats: int = REPEATS
+                ) -> Calibration:
   """``run(controller, rng)``: a rollout through the in-loop hook, its stages timed
   (``sampling.rollout.generate_whole``); it is run once per shape and repeat with the
   controller forced to that shape."""

@@ -10,6 +10,7 @@ from specrl_jax.config import (SpecConfig, check, check_finite_number, check_pos
 from specrl_jax.rl.app import drafter_registry
 from specrl_jax.rl.app.model_section import ModelSection
 from specrl_jax.speculative.drafters.history_store import HistoryConfig
+from specrl_jax.speculative import inloop_calibration
 from specrl_jax.speculative.inloop import MAX_TREES
 
 
@@ -32,7 +33,8 @@ class DrafterSection:
   table, seconds per round of each shape (rows: plain, chains, trees) at each width of
   slot compaction (columns, widest first), row after row; empty: measured at the start
   of the run on its own device (``speculative.inloop_calibration``) with
-  ``calibration_repeats`` timed rollouts per shape. refresh_weight (async runs, a
+  ``calibration_repeats`` timed rollouts per shape, the median kept (3: one pass let a
+  single slow rollout set a cell). refresh_weight (async runs, a
   measured table): after each rollout, the cells it ran are rescaled by (its own round
   seconds / the table's prediction) ** (refresh_weight x the cell's share of the
   prediction) (``inloop_calibration.refresh``), so the table follows the device as the
@@ -52,7 +54,7 @@ class DrafterSection:
   adaptive: bool = False
   adaptive_trees: tuple[str, ...] = ()
   round_seconds: tuple[float, ...] = ()
-  calibration_repeats: int = 1
+  calibration_repeats: int = inloop_calibration.REPEATS
   refresh_weight: float = 0.0
 
   def __post_init__(self):

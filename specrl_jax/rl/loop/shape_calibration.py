@@ -25,7 +25,7 @@ from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.sampling.rollout import generate_whole
 from specrl_jax.speculative.drafters.base import Drafter
 from specrl_jax.speculative.inloop import InLoopState
-from specrl_jax.speculative.inloop_calibration import Calibration, time_shapes
+from specrl_jax.speculative.inloop_calibration import REPEATS, Calibration, time_shapes
 from specrl_jax.speculative.inloop_rollout import in_loop_config
 
 
@@ -41,7 +41,8 @@ def rollout_widths(model_config, rollout_config: RolloutConfig, mesh: Mesh, *,
 def calibrate_rollout(graphdef: nnx.GraphDef, params, drafter_params, model_config,
                       rollout_config: RolloutConfig, mesh: Mesh, *, prompts: PromptBatch,
                       prompt_width: int, drafter: Drafter, spec: SpecConfig,
-                      engine: EngineConfig, rng: jax.Array, repeats: int = 1) -> Calibration:
+                      engine: EngineConfig, rng: jax.Array,
+                      repeats: int = REPEATS) -> Calibration:
   """Seconds per round of each menu shape at each width (``Calibration``), timed on
   ``prompts`` (host arrays: a step's prompts; the first shard's are decoded)."""
   plan, _, hook = shard_plan(model_config, rollout_config, mesh, prompt_width=prompt_width,
