@@ -16,9 +16,9 @@ The rule is the host controller's arithmetic: a chain of k drafts emits
 each deeper one shrunk toward the one before it, ``expected.PRIOR_ROUNDS``), a tree its
 measured tokens per drafting slot-round; each shape's expected tokens over its round's
 seconds at the live width is its rate, and a drafting shape must beat plain decoding by
-``min_gain``. Round seconds
-per (shape, width) are measured (``speculative.inloop_calibration``), never modelled:
-``InLoopState.cost_SxW`` is an input array. Exploration is the host controller's: each
+``min_gain``. Round seconds per (shape, width) are measured
+(``speculative.inloop_calibration``), never modelled: ``InLoopState.cost_SxW`` is an
+input array. Exploration is the host controller's: each
 shape runs once at each width before any choice, and a losing shape is re-tried at
 doubling intervals (the one that ran longest ago), so an online drafter that improves
 is noticed.

@@ -9,8 +9,8 @@ from specrl_jax.config import (SpecConfig, check, check_finite_number, check_pos
                                is_finite_number)
 from specrl_jax.rl.app import drafter_registry
 from specrl_jax.rl.app.model_section import ModelSection
-from specrl_jax.speculative.drafters.history_store import HistoryConfig
 from specrl_jax.speculative import inloop_calibration
+from specrl_jax.speculative.drafters.history_store import HistoryConfig
 from specrl_jax.speculative.inloop import MAX_TREES
 
 
@@ -34,10 +34,10 @@ class DrafterSection:
   slot compaction (columns, widest first), row after row; empty: measured at the start
   of the run on its own device (``speculative.inloop_calibration``) with
   ``calibration_repeats`` timed rollouts per shape, the median kept (3: one pass let a
-  single slow rollout set a cell). refresh_weight (async runs, a
-  measured table): after each rollout, the cells it ran are rescaled by (its own round
-  seconds / the table's prediction) ** (refresh_weight x the cell's share of the
-  prediction) (``inloop_calibration.refresh``), so the table follows the device as the
+  single slow rollout set a cell). refresh_weight (async runs, a measured table): after
+  each rollout, the cells it ran are rescaled by (its own round seconds / the table's
+  prediction) ** (refresh_weight x the cell's share of the prediction)
+  (``inloop_calibration.refresh``), so the table follows the device as the
   responses change; 0 keeps the calibration. A resumed run restores the refreshed table
   and chooses as the uninterrupted run did until its first rollout of its own; after that
   the two follow their own clocks."""
