@@ -13,7 +13,8 @@ PY := $(VENV)/bin/python
 # conftest.py) took it from 25:16 to 17:46 on the same machine, three workers each;
 # `CI=true bash .ci/run` in a fresh clone: 17:32 of pytest, 18:43 with the install
 # (14:59 and 16:04 after the suite's cuts of 95b271c; 25:37 of pytest at da7e6cf on a
-# machine that ran the 38M pair's RL rollouts at half that one's speed).
+# machine that ran the 38M pair's RL rollouts at half that one's speed; 13:51 and 14:47
+# at 0a6427f on one that ran them at 3.3x that slow one's speed).
 PYTEST_WORKERS ?= 3
 
 .PHONY: demo test test-full results results-quick bench clean
