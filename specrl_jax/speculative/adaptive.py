@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 from specrl_jax.config import check
-from specrl_jax.speculative.expected import (PRIOR_ROUNDS, expected_rounds_to_finish,
+from specrl_jax.speculative.expected import (acceptance_estimates, expected_rounds_to_finish,
                                              expected_tokens_per_round)
 
 
@@ -100,14 +100,9 @@ class DraftLengthController:
     self.reached_Z = np.zeros(self.k_max)
 
   def acceptance(self) -> np.ndarray:
-    """Conditional acceptance per position: position 0 a Laplace estimate, each deeper
-    one shrunk toward the position before it (``expected.PRIOR_ROUNDS``: a position
-    never reached repeats the one before)."""
-    rates = (self.accepted_Z + 1) / (self.reached_Z + 2)
-    for i in range(1, self.k_max):
-      rates[i] = ((self.accepted_Z[i] + PRIOR_ROUNDS * rates[i - 1])
-                  / (self.reached_Z[i] + PRIOR_ROUNDS))
-    return rates
+    """Conditional acceptance per position (``expected.acceptance_estimates``: position
+    0 a Laplace estimate, each deeper one shrunk toward the position before it)."""
+    return np.array(acceptance_estimates(self.accepted_Z, self.reached_Z))
 
   def predicted_round_seconds(self, k: int) -> float:
     """Seconds per round of length k. Drafting rounds (k drafter steps and a verify of

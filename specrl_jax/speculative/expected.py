@@ -23,6 +23,17 @@ from specrl_jax.config import check, check_non_negative_int, is_finite_number
 PRIOR_ROUNDS = 2.0
 
 
+def acceptance_estimates(accepted_Z, reached_Z) -> list:
+  """Per-position conditional acceptance from counts of accepted and reached drafts:
+  position 0 a Laplace estimate, each deeper one shrunk toward the one before it by
+  ``PRIOR_ROUNDS`` (never reached: the one before). Plain arithmetic, so one rule serves
+  the host controller's numpy counts and the in-loop controller's traced ones."""
+  rates = [(accepted_Z[0] + 1) / (reached_Z[0] + 2)]
+  for i in range(1, len(accepted_Z)):
+    rates.append((accepted_Z[i] + PRIOR_ROUNDS * rates[-1]) / (reached_Z[i] + PRIOR_ROUNDS))
+  return rates
+
+
 def check_acceptance(per_position_acceptance: Sequence[float],
                      owner: str = "SpeculationCostModel") -> tuple[float, ...]:
   """The rates as floats, each checked to be a probability."""

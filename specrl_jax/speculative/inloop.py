@@ -13,15 +13,14 @@ the same state, so the output's distribution never depends on the choice.
 The rule is the host controller's arithmetic: a chain of k drafts emits
 1 + sum_{i<k} prod_{j<=i} a_j tokens per round from the per-position acceptance a
 (``speculative.expected.expected_tokens_per_round``; position 0 a Laplace estimate,
-each deeper one shrunk toward the one before it, ``expected.PRIOR_ROUNDS``), a tree its
-measured tokens per drafting slot-round; each shape's expected tokens over its round's
-seconds at the live width is its rate, and a drafting shape must beat plain decoding by
-``min_gain``. Round seconds per (shape, width) are measured
+each deeper one shrunk toward the one before it, ``expected.acceptance_estimates``), a
+tree its measured tokens per drafting slot-round; each shape's expected tokens over its
+round's seconds at the live width is its rate, and a drafting shape must beat plain
+decoding by ``min_gain``. Round seconds per (shape, width) are measured
 (``speculative.inloop_calibration``), never modelled: ``InLoopState.cost_SxW`` is an
-input array. Exploration is the host controller's: each
-shape runs once at each width before any choice, and a losing shape is re-tried at
-doubling intervals (the one that ran longest ago), so an online drafter that improves
-is noticed.
+input array. Exploration is the host controller's: each shape runs once at each width
+before any choice, and a losing shape is re-tried at doubling intervals (the one that
+ran longest ago), so an online drafter that improves is noticed.
 
 ``InLoopState`` is carried across RL steps (train state and checkpoints) so a resumed
 run chooses exactly as the uninterrupted one. Shape glossary: S menu shapes, W widths
@@ -39,7 +38,7 @@ import numpy as np
 
 from specrl_jax.config import check, is_finite_number
 from specrl_jax.speculative.concurrency import Shape, check_tree_menu, shape_label
-from specrl_jax.speculative.expected import PRIOR_ROUNDS
+from specrl_jax.speculative.expected import acceptance_estimates
 
 Array = jax.Array
 MAX_TREES = 2
@@ -151,12 +150,9 @@ class InLoopState:
 
 
 def acceptance_rates(accepted_Z: Array, reached_Z: Array) -> Array:
-  """Per-position conditional acceptance, each deeper position's estimate shrunk toward
-  the one before it (``expected.PRIOR_ROUNDS``; ``DraftLengthController.acceptance``)."""
-  out = [(accepted_Z[0] + 1) / (reached_Z[0] + 2)]
-  for i in range(1, accepted_Z.shape[0]):
-    out.append((accepted_Z[i] + PRIOR_ROUNDS * out[-1]) / (reached_Z[i] + PRIOR_ROUNDS))
-  return jnp.stack(out)
+  """Per-position conditional acceptance (``expected.acceptance_estimates``, as the
+  host controller's ``DraftLengthController.acceptance``)."""
+  return jnp.stack(acceptance_estimates(accepted_Z, reached_Z))
 
 
 def expected_tokens_S(config: InLoopConfig, state: InLoopState) -> Array:
