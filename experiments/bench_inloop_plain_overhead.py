@@ -29,17 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specrl_jax import drafters, testing
-from specrl_jax.config import ModelConfig, SamplingParams, SpecConfig
-from specrl_jax.models import tokenizer
+from specrl_jax.config import SamplingParams, SpecConfig
+from specrl_jax.rl.app.experiment import PRESETS
 from specrl_jax.sampling.engine import EngineConfig
 from specrl_jax.speculative.generate import generate
 from specrl_jax.speculative.inloop import InLoopState
 from specrl_jax.speculative.inloop_calibration import engine_widths
 from specrl_jax.speculative.inloop_rollout import generate_in_loop, in_loop_config
 
-TINY = ModelConfig(vocab_size=tokenizer.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
-                   num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                   max_position_embeddings=256)
+TINY = PRESETS["tiny"].policy.model_config()  # what `specrl train --preset=tiny` trains
 
 
 def _timings(out) -> dict:
