@@ -198,3 +198,49 @@ def test_bad_sampling_params_name_the_field(fields, fragment):
 def test_bad_engine_config_names_the_field(fields, fragment):
   with pytest.raises(ConfigError, match=f"EngineConfig.{fragment}"):
     EngineConfig(**fields)
+
+
+def test_drafters_read_each_slot_prompt_then_its_emitted_tokens_and_a_freed_slot_keeps_them(
+    model):
+  """``DecodeState.history_NxC``, checked after every round of a continuously batched
+  rollout: a slot shows its request's prompt, then the tokens emitted so far (a prefix
+  of the final response), then -1; a freed slot still shows its last, whole rollout (the
+  history drafter reads finished siblings there) until it takes the next request."""
+  from flax import nnx
+  from specrl_jax.sampling import rollout as engine
+  from specrl_jax.sampling.plan import plan_for_prompts
+
+  sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
+  graphdef, params = nnx.split(model)
+  plan, inputs, _ = plan_for_prompts(model.config, PROMPTS, sampling=sampling,
+                                     engine=EngineConfig(page_size=4, num_slots=3),
+                                     rounds=None, mesh=None)
+  tokens_UxT, lengths_U, prompt_of_request_R, _ = jax.device_get(inputs)
+  state, prompts = engine.start(graphdef, params, (), inputs, jax.random.key(3),
+                                sampling=sampling, layout=plan.layout)
+  snapshots = []
+  while not bool(jax.device_get(state.next_request >= len(PROMPTS))
+                 & ~jax.device_get(state.active_N).any()):
+    state, _ = engine.continue_stage(graphdef, params, (), state, prompts, jax.numpy.int32(1),
+                                     stage=0, sampling=sampling, layout=plan.layout)
+    snapshots.append(jax.device_get((state.history_NxC, state.history_request_N,
+                                     state.slot_request_N)))
+    assert len(snapshots) < 100
+  final_RxL = jax.device_get(state.out_tokens_RxL)
+
+  freed = 0
+  for history_NxC, history_request_N, slot_request_N in snapshots:
+    for row_C, request, serving in zip(history_NxC, history_request_N, slot_request_N):
+      if request < 0:
+        assert (row_C == -1).all()
+        continue
+      prompt = tokens_UxT[prompt_of_request_R[request]][:lengths_U[prompt_of_request_R[request]]]
+      np.testing.assert_array_equal(row_C[:len(prompt)], prompt)
+      response = row_C[len(prompt):]
+      emitted = int((response >= 0).sum())
+      assert emitted >= 1 and (response[emitted:] == -1).all()
+      np.testing.assert_array_equal(response[:emitted], final_RxL[request][:emitted])
+      if serving < 0:
+        freed += 1
+        np.testing.assert_array_equal(response[:emitted], final_RxL[request][final_RxL[request] >= 0])
+  assert freed, "no round saw a freed slot: the test shows nothing of it"

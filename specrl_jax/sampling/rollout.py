@@ -88,7 +88,8 @@ def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds
       out_tokens_RxL=jnp.full((num_requests, layout.max_new_tokens), -1, jnp.int32),
       out_log_probs_RxL=jnp.zeros((num_requests, layout.max_new_tokens), jnp.float32),
       out_lengths_R=jnp.zeros((num_requests,), jnp.int32),
-      history_NxC=jnp.full((n, context), -1, jnp.int32), prompt_lengths_N=zeros_N,
+      prompt_tokens_NxC=jnp.full((n, context), -1, jnp.int32),
+      history_request_N=zeros_N - 1, prompt_lengths_N=zeros_N,
       rng=rng, counters=counters, drafter=hook_state)
 
 
@@ -298,7 +299,7 @@ def _sharded_rollout(graphdef, params, hook_params, rng, tokens_QxUxT, lengths_Q
   def one_shard(params, hook_params, rng, *inputs):
     rng = jax.random.fold_in(rng, jax.lax.axis_index(sharded.BATCH_AXES))
     final = rollout(graphdef, params, hook_params, *inputs, rng, **static)
-    return final.replace(kv=None, history_NxC=None)
+    return final.replace(kv=None, prompt_tokens_NxC=None)
   return sharded.per_shard(one_shard, mesh, num_replicated=3)(
       params, hook_params, rng, tokens_QxUxT, lengths_QxU, prompt_of_request_QxR,
       last_request_QxU)
