@@ -5,7 +5,8 @@ produces; every reported log-prob is the full-forward warped log-prob of the emi
 token (ragged prompts, across page boundaries, with and without continuous batching,
 with fewer slots than requests); identical prompts share pages without changing
 anything; sampled tokens follow the exactly enumerated warped distribution; stop
-tokens end sequences; bad inputs fail with errors that say what to change.
+tokens end sequences; drafters read each slot's prompt and emitted tokens, kept after
+the slot is freed; bad inputs fail with errors that say what to change.
 """
 
 import collections
@@ -13,10 +14,13 @@ import collections
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from specrl_jax import testing
 from specrl_jax.config import ConfigError, ModelConfig, SamplingParams
-from specrl_jax.sampling.engine import EngineConfig
+from specrl_jax.sampling import rollout as stages
+from specrl_jax.sampling.engine import EngineConfig, is_done
+from specrl_jax.sampling.plan import plan_for_prompts
 from specrl_jax.speculative.generate import PagePoolExhaustedError, generate
 
 VOCAB = 16
@@ -206,23 +210,18 @@ def test_drafters_read_each_slot_prompt_then_its_emitted_tokens_and_a_freed_slot
   rollout: a slot shows its request's prompt, then the tokens emitted so far (a prefix
   of the final response), then -1; a freed slot still shows its last, whole rollout (the
   history drafter reads finished siblings there) until it takes the next request."""
-  from flax import nnx
-  from specrl_jax.sampling import rollout as engine
-  from specrl_jax.sampling.plan import plan_for_prompts
-
   sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW)
   graphdef, params = nnx.split(model)
   plan, inputs, _ = plan_for_prompts(model.config, PROMPTS, sampling=sampling,
                                      engine=EngineConfig(page_size=4, num_slots=3),
                                      rounds=None, mesh=None)
   tokens_UxT, lengths_U, prompt_of_request_R, _ = jax.device_get(inputs)
-  state, prompts = engine.start(graphdef, params, (), inputs, jax.random.key(3),
-                                sampling=sampling, layout=plan.layout)
+  state, prompts = stages.start(graphdef, params, (), inputs, jax.random.key(3),
+                                 sampling=sampling, layout=plan.layout)
   snapshots = []
-  while not bool(jax.device_get(state.next_request >= len(PROMPTS))
-                 & ~jax.device_get(state.active_N).any()):
-    state, _ = engine.continue_stage(graphdef, params, (), state, prompts, jax.numpy.int32(1),
-                                     stage=0, sampling=sampling, layout=plan.layout)
+  while not bool(is_done(state, len(PROMPTS))):
+    state, _ = stages.continue_stage(graphdef, params, (), state, prompts, np.int32(1),
+                                      stage=0, sampling=sampling, layout=plan.layout)
     snapshots.append(jax.device_get((state.history_NxC, state.history_request_N,
                                      state.slot_request_N)))
     assert len(snapshots) < 100
@@ -234,7 +233,8 @@ def test_drafters_read_each_slot_prompt_then_its_emitted_tokens_and_a_freed_slot
       if request < 0:
         assert (row_C == -1).all()
         continue
-      prompt = tokens_UxT[prompt_of_request_R[request]][:lengths_U[prompt_of_request_R[request]]]
+      prompt_index = prompt_of_request_R[request]
+      prompt = tokens_UxT[prompt_index][:lengths_U[prompt_index]]
       np.testing.assert_array_equal(row_C[:len(prompt)], prompt)
       response = row_C[len(prompt):]
       emitted = int((response >= 0).sum())
@@ -242,5 +242,6 @@ def test_drafters_read_each_slot_prompt_then_its_emitted_tokens_and_a_freed_slot
       np.testing.assert_array_equal(response[:emitted], final_RxL[request][:emitted])
       if serving < 0:
         freed += 1
-        np.testing.assert_array_equal(response[:emitted], final_RxL[request][final_RxL[request] >= 0])
+        whole = final_RxL[request][final_RxL[request] >= 0]
+        np.testing.assert_array_equal(response[:emitted], whole)
   assert freed, "no round saw a freed slot: the test shows nothing of it"
