@@ -15,7 +15,8 @@ PY := $(VENV)/bin/python
 # (14:59 and 16:04 after the suite's cuts of 95b271c; 25:37 of pytest at da7e6cf on a
 # machine that ran the 38M pair's RL rollouts at half that one's speed; 13:51 and 14:47
 # at 0a6427f on one that ran them at 3.3x that slow one's speed; 19:55 and 23:51 at
-# c825174 on one that ran the tiny RL rollout at about two-thirds of that fast one's).
+# c825174, 21:37 and 24:08 at 771752c, on one that ran the tiny RL rollout at about
+# two-thirds of that fast one's).
 PYTEST_WORKERS ?= 3
 
 .PHONY: demo test test-full results results-quick bench clean
