@@ -59,9 +59,7 @@ def compact(state: DecodeState, width: int, hook: RoundHook | None = None) -> De
       kv=kv, num_pages_N=take(state.num_pages_N), cache_lengths_N=take(state.cache_lengths_N),
       last_token_N=take(state.last_token_N), slot_request_N=take(state.slot_request_N),
       generated_N=take(state.generated_N), finished_N=take(state.finished_N),
-      prompt_tokens_NxC=take(state.prompt_tokens_NxC),
       history_request_N=take(state.history_request_N),
-      prompt_lengths_N=take(state.prompt_lengths_N),
       drafter=drafter)
 
 

@@ -139,11 +139,13 @@ class DecodeState:
   out_tokens_RxL: Array
   out_log_probs_RxL: Array
   out_lengths_R: Array
-  # The prompt of the request a slot last took (-1 beyond), and that request: kept after
-  # the slot is released, so a finished sibling's rollout stays readable (``history_NxC``).
-  prompt_tokens_NxC: Array
+  # The prompts (constant through the decode) and the request each slot last took, kept
+  # after the slot is released so a finished sibling's rollout stays readable: what
+  # ``history_NxC`` is derived from. Admission writes only the request.
+  prompt_tokens_UxT: Array
+  prompt_lengths_U: Array
+  prompt_of_request_R: Array
   history_request_N: Array
-  prompt_lengths_N: Array
   rng: Array
   counters: dict[str, Array]
   drafter: Any = ()
@@ -157,20 +159,31 @@ class DecodeState:
     return (self.slot_request_N >= 0) & ~self.finished_N
 
   @property
+  def prompt_lengths_N(self) -> Array:
+    """The prompt length of each slot's last request (0: the slot never took one)."""
+    prompt_N = self.prompt_of_request_R[jnp.maximum(self.history_request_N, 0)]
+    return jnp.where(self.history_request_N >= 0, self.prompt_lengths_U[prompt_N], 0)
+
+  @property
   def history_NxC(self) -> Array:
-    """Prompt + emitted tokens of each slot's last request (-1 beyond): what drafters
-    read. Derived from the output buffer when read rather than kept: a copy written every
-    round cost each plain round beside a drafter (the in-loop controller's) two scatters
-    that the plain program, where nothing reads it, leaves out."""
-    context = self.prompt_tokens_NxC.shape[1]
-    max_new = self.out_tokens_RxL.shape[1]
-    offset_NxC = jnp.arange(context)[None, :] - self.prompt_lengths_N[:, None]
+    """Prompt + emitted tokens of each slot's last request (-1 beyond), C = the
+    context: what drafters read. Derived when read, from the prompts and the output
+    buffer, rather than kept per slot: a copy written every round (of the emitted
+    tokens, or of the prompt at each admission) cost each plain round beside a drafter
+    (the in-loop controller's) work that the plain program, where nothing reads it,
+    leaves out."""
+    context = self.kv.page_table_BxM.shape[1] * page_size_of(self.kv.k_pages[0])
+    max_new, width = self.out_tokens_RxL.shape[1], self.prompt_tokens_UxT.shape[1]
     request_N = jnp.maximum(self.history_request_N, 0)
+    lengths_N = self.prompt_lengths_N
+    position_C = jnp.arange(context)
+    prompt_NxC = self.prompt_tokens_UxT[self.prompt_of_request_R[request_N][:, None],
+                                        jnp.minimum(position_C, width - 1)[None, :]]
+    offset_NxC = position_C[None, :] - lengths_N[:, None]
     response_NxC = self.out_tokens_RxL[request_N[:, None], jnp.clip(offset_NxC, 0, max_new - 1)]
     emitted_NxC = ((offset_NxC >= 0) & (offset_NxC < self.generated_N[:, None])
                    & (self.history_request_N >= 0)[:, None])
-    return jnp.where(offset_NxC < 0, self.prompt_tokens_NxC,
-                     jnp.where(emitted_NxC, response_NxC, -1))
+    return jnp.where(offset_NxC < 0, prompt_NxC, jnp.where(emitted_NxC, response_NxC, -1))
 
 
 def emit(state: DecodeState, tokens_NxE: Array, log_probs_NxE: Array, counts_N: Array,
@@ -303,13 +316,6 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
       jnp.arange(prompts.page_table_UxM.shape[1])[None, :] < prompt_page_count_U[:, None])
   pool = page_pool.release(pool, prompts.page_table_UxM, held_UxM)
 
-  context = state.prompt_tokens_NxC.shape[1]
-  prompt_tokens_NxT = prompts.tokens_UxT[prompt_N]
-  prompt_row_NxC = jnp.full((state.num_slots, context), -1, jnp.int32).at[
-      :, :prompt_tokens_NxT.shape[1]].set(prompt_tokens_NxT)
-  prompt_row_NxC = jnp.where(jnp.arange(context)[None, :] < length_N[:, None], prompt_row_NxC, -1)
-  prompt_tokens_NxC = jnp.where(admit_N[:, None], prompt_row_NxC, state.prompt_tokens_NxC)
-
   rng, key = jax.random.split(state.rng)
 
   def sample_first(_):
@@ -331,9 +337,8 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
       slot_request_N=jnp.where(admit_N, request_N, state.slot_request_N),
       generated_N=jnp.where(admit_N, 0, state.generated_N),
       finished_N=jnp.where(admit_N, False, state.finished_N),
-      next_request=next_request, rng=rng, prompt_tokens_NxC=prompt_tokens_NxC,
-      history_request_N=jnp.where(admit_N, request_N, state.history_request_N),
-      prompt_lengths_N=jnp.where(admit_N, length_N, state.prompt_lengths_N))
+      next_request=next_request, rng=rng,
+      history_request_N=jnp.where(admit_N, request_N, state.history_request_N))
   if on_admit is not None:
     state = on_admit(state, admit_N, prompt_N, prompts)
   state, _ = emit(state, first_N[:, None], first_log_prob_N, admit_N.astype(jnp.int32),

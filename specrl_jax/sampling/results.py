@@ -38,9 +38,9 @@ class GenerateOutput:
 
 
 def fetch_results(state: DecodeState) -> DecodeState:
-  """The final state on the host without its KV pages and token history, which the
-  output does not need and which dwarf everything else."""
-  return jax.device_get(state.replace(kv=None, prompt_tokens_NxC=None))
+  """The final state on the host without its KV pages, which the output does not need
+  and which dwarf everything else."""
+  return jax.device_get(state.replace(kv=None))
 
 
 def raise_if_exhausted(final: DecodeState, layout: Layout, inputs) -> None:

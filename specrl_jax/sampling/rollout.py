@@ -57,8 +57,9 @@ def generate_whole(graphdef, params, inputs, rng, *, sampling: SamplingParams, l
   return to_output(final, seconds, rounds, placement=placement)
 
 
-def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds: RoundHook | None = None
-               ) -> DecodeState:
+def init_state(config, layout: Layout, tokens_UxT, lengths_U, prompt_of_request_R,
+               rng: jax.Array, rounds: RoundHook | None = None) -> DecodeState:
+  num_requests = prompt_of_request_R.shape[0]
   layer_shapes = ((config.num_kv_heads, config.head_dim),) * config.num_layers
   counters = {"target_calls": jnp.int32(0),
               "request_rounds_R": jnp.zeros((num_requests,), jnp.int32),
@@ -80,7 +81,6 @@ def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds
                new_mask_BxTxT=jnp.ones((n, 1, 1), bool),
                write_positions_BxT=jnp.full((n, 1), -1, jnp.int32))
   zeros_N = jnp.zeros((n,), jnp.int32)
-  context = layout.max_pages_per_seq * layout.page_size
   return DecodeState(
       pool=page_pool.init_pool(layout.num_pages), kv=kv, num_pages_N=zeros_N,
       cache_lengths_N=zeros_N, last_token_N=zeros_N, slot_request_N=zeros_N - 1,
@@ -88,8 +88,8 @@ def init_state(config, layout: Layout, num_requests: int, rng: jax.Array, rounds
       out_tokens_RxL=jnp.full((num_requests, layout.max_new_tokens), -1, jnp.int32),
       out_log_probs_RxL=jnp.zeros((num_requests, layout.max_new_tokens), jnp.float32),
       out_lengths_R=jnp.zeros((num_requests,), jnp.int32),
-      prompt_tokens_NxC=jnp.full((n, context), -1, jnp.int32),
-      history_request_N=zeros_N - 1, prompt_lengths_N=zeros_N,
+      prompt_tokens_UxT=tokens_UxT, prompt_lengths_U=lengths_U,
+      prompt_of_request_R=prompt_of_request_R, history_request_N=zeros_N - 1,
       rng=rng, counters=counters, drafter=hook_state)
 
 
@@ -99,7 +99,8 @@ def start_rollout(graphdef, params, hook_params, tokens_UxT, lengths_U, prompt_o
   """Prefills the prompts (and the hook's pages): the decode loop's initial state and
   the constant prompt data it admits requests from."""
   model = nnx.merge(graphdef, params)
-  state = init_state(model.config, layout, prompt_of_request_R.shape[0], rng, rounds)
+  state = init_state(model.config, layout, tokens_UxT, lengths_U, prompt_of_request_R, rng,
+                     rounds)
 
   def hook_prefill(prefill_kv, target_output):
     nonlocal state
@@ -295,11 +296,11 @@ def _sharded_rollout(graphdef, params, hook_params, rng, tokens_QxUxT, lengths_Q
                      prompt_of_request_QxR, last_request_QxU, *, mesh: Mesh, **static
                      ) -> DecodeState:
   """``rollout`` on every batch shard of ``mesh`` (its own rng stream), the final
-  states stacked on a leading shard axis, without pages and token history."""
+  states stacked on a leading shard axis, without pages."""
   def one_shard(params, hook_params, rng, *inputs):
     rng = jax.random.fold_in(rng, jax.lax.axis_index(sharded.BATCH_AXES))
     final = rollout(graphdef, params, hook_params, *inputs, rng, **static)
-    return final.replace(kv=None, prompt_tokens_NxC=None)
+    return final.replace(kv=None)
   return sharded.per_shard(one_shard, mesh, num_replicated=3)(
       params, hook_params, rng, tokens_QxUxT, lengths_QxU, prompt_of_request_QxR,
       last_request_QxU)
