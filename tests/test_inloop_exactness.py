@@ -3,11 +3,13 @@ lossless: the RL rollout's samples follow the exactly enumerated joint distribut
 the target while the shape changes between the sampled tokens (every width starts by
 trying each shape in turn), with slot compaction and continuous batching (fewer slots
 than samples); its log-probs are the target's; greedy decoding through the same round
-hook is token-identical to plain decoding."""
+hook is token-identical to plain decoding, and pinned to a chain it drafts as that
+chain's own program."""
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -133,6 +135,25 @@ def test_greedy_decoding_through_the_in_loop_hook_is_plain_decoding(
   rounds_SxW = np.asarray(controller.rounds_SxW)
   assert rounds_SxW.sum() == out.stats["target_calls"]
   assert np.count_nonzero(rounds_SxW.sum(axis=1)) >= 3  # several shapes ran
+
+
+def test_pinned_to_a_chain_the_in_loop_hook_drafts_as_that_chains_own_program(
+    target, noisy_drafter, greedy):
+  """A draft model that catches up before drafting keeps no copy of its prompt's partly
+  filled last page at admission (the prompts here end mid-page): it re-feeds those
+  tokens, and so drafts, accepts and verifies exactly as the fixed chain."""
+  config = in_loop_config(SPEC)
+  pinned = fresh_controller().replace(force=jnp.int32(config.labels.index("chain_k2")))
+  out, _ = generate_in_loop(target, PROMPTS, sampling=greedy, rng=jax.random.key(0),
+                            drafter=noisy_drafter, spec=SPEC, controller=pinned,
+                            engine=THREE_SLOTS)
+  fixed = generate(target, PROMPTS, sampling=greedy, drafter=noisy_drafter,
+                   spec=SpecConfig(num_draft_tokens=2), engine=THREE_SLOTS)
+  np.testing.assert_array_equal(out.tokens, fixed.tokens)
+  assert out.stats["target_calls"] == fixed.stats["target_calls"]
+  np.testing.assert_array_equal(out.stats["per_position_acceptance"],
+                                fixed.stats["per_position_acceptance"])
+  assert 0 < out.stats["per_position_acceptance"][0] < 1
 
 
 def test_a_controller_carried_from_call_to_call_reuses_the_compiled_programs(

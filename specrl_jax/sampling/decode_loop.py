@@ -55,11 +55,14 @@ class RoundMenu:
   before each round to decide whether the current run of rounds goes on, so the same
   state must give the same index); the chosen round itself commits whatever the choice
   advances (e.g. an exploration schedule). streaks: per kind, None (the rule is asked
-  before each of its rounds) or a ``Streak``; empty: None for every kind.
+  before each of its rounds) or a ``Streak``; empty: None for every kind. tail_layers:
+  the KV layers admission gives a private copy of the prompt's last page
+  (``engine.admit``; None: all).
   """
   rounds: tuple[RoundFn, ...]
   choose: Callable[[DecodeState], Array]
   streaks: tuple[Streak | None, ...] = ()
+  tail_layers: int | None = None
 
 
 def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn | RoundMenu,
@@ -80,11 +83,14 @@ def run_loop(state: DecodeState, prompts: Prompts, round_fn: RoundFn | RoundMenu
   # No lax.cond around these steps: a cond's untaken identity branch copies its whole
   # operand, i.e. every KV page, on each iteration. Each step is a no-op when its masks
   # are empty, which is cheap.
+  tail_layers = round_fn.tail_layers if isinstance(round_fn, RoundMenu) else None
+
   def body_of(round_fn: RoundFn) -> Callable:
     def body(carry):
       rounds, state = carry
       state = release_finished(state)
-      state = admit(state, prompts, sampling, continuous=continuous, on_admit=on_admit)
+      state = admit(state, prompts, sampling, continuous=continuous, on_admit=on_admit,
+                    tail_layers=tail_layers)
       state = count_request_rounds(round_fn(state), state.active_N, state.slot_request_N)
       return rounds + 1, state
     return body

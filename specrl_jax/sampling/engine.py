@@ -259,11 +259,14 @@ AdmitHook = Callable[[DecodeState, Array, Array, "Prompts"], DecodeState]
 
 
 def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
-          continuous: bool, on_admit: AdmitHook | None = None) -> DecodeState:
+          continuous: bool, on_admit: AdmitHook | None = None,
+          tail_layers: int | None = None) -> DecodeState:
   """Puts waiting requests into free slots and emits their first token.
 
   The admitted sample references its prompt's full pages (no copy) and gets a private
-  copy of the prompt's partly filled last page, which it will keep writing into.
+  copy of the prompt's partly filled last page, which it will keep writing into: of
+  the first ``tail_layers`` KV layers (None: all). A round hook whose drafter re-feeds
+  the prompt's tail itself before drafting leaves its own layers out.
   """
   num_requests = count_requests(prompts)
   page_size = page_size_of(state.kv.k_pages[0])
@@ -294,17 +297,19 @@ def admit(state: DecodeState, prompts: Prompts, sampling: SamplingParams, *,
   destination_N = jnp.where(has_tail_N, tail_Nx1[:, 0], TRASH_PAGE)
   # The barrier keeps the gather and the scatter in separate fusions; fused, XLA copies
   # the whole page array to read and write it in one pass.
+  copied = slice(None, tail_layers)
   k_tails, v_tails = jax.lax.optimization_barrier(
-      ([k[source_N] for k in state.kv.k_pages], [v[source_N] for v in state.kv.v_pages]))
+      ([k[source_N] for k in state.kv.k_pages[copied]],
+       [v[source_N] for v in state.kv.v_pages[copied]]))
   # One more destination, out of range and dropped: a scatter of a single page (one
   # slot) would become a dynamic-update-slice, which XLA fused with the round's page
   # gathers and then copied every layer's whole page array each round to update.
   destination_D = jnp.append(destination_N, state.kv.k_pages[0].shape[0])
   pad = lambda t: jnp.concatenate([t, jnp.zeros_like(t[:1])])
   k_pages = tuple(k.at[destination_D].set(pad(t), mode="drop")
-                  for k, t in zip(state.kv.k_pages, k_tails))
+                  for k, t in zip(state.kv.k_pages, k_tails)) + state.kv.k_pages[len(k_tails):]
   v_pages = tuple(v.at[destination_D].set(pad(t), mode="drop")
-                  for v, t in zip(state.kv.v_pages, v_tails))
+                  for v, t in zip(state.kv.v_pages, v_tails)) + state.kv.v_pages[len(v_tails):]
   table = jnp.where(admit_N[:, None], row_NxM, state.kv.page_table_BxM)
 
   # The prompt's own reference (held since prefill) goes once its last sample is in.

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specrl_jax.config import SamplingParams
+from specrl_jax.kv.paged import page_size_of
 from specrl_jax.models.transformer import Transformer
 from specrl_jax.sampling.decode_loop import RoundMenu, Streak
 from specrl_jax.sampling.engine import DecodeState
@@ -80,11 +81,14 @@ class InLoopSpeculation:
 
   def loop(self, model: Transformer, params, state: DecodeState, sampling: SamplingParams):
     drafter_params = params[0]
+    page_size = page_size_of(state.kv.k_pages[0])
 
     def on_admit(s, admit_N, prompt_N, prompts):
       drafter_state, controller = s.drafter
-      drafter_state = self.drafter.on_admit(drafter_params, drafter_state, admit_N,
-                                            prompts.lengths_U[prompt_N])
+      lengths_N = prompts.lengths_U[prompt_N]
+      if self.drafter.catches_up:  # its cache holds the prompt's full pages (``_menu``)
+        lengths_N = lengths_N - lengths_N % page_size
+      drafter_state = self.drafter.on_admit(drafter_params, drafter_state, admit_N, lengths_N)
       return s.replace(drafter=(drafter_state, controller))
 
     return state, self._menu(model, drafter_params, sampling, state.num_slots), on_admit
@@ -124,9 +128,14 @@ class InLoopSpeculation:
         settle=lambda s, rounds: s.replace(drafter=(s.drafter[0], settle_plain(
             config, s.drafter[1], width, rounds))))
     drafting = tuple(round_of(i, shape) for i, shape in enumerate(config.shapes) if i > 0)
+    # A drafter that catches up before it drafts re-feeds the prompt's partly filled last
+    # page then, so admission copies that page for the target's layers only: the copy of
+    # the drafter's own layers cost the tiny preset's plain rounds 2% (two gathers and two
+    # scatters a round, for the rare round that admits).
+    tail_layers = model.config.num_layers if self.drafter.catches_up else None
     return RoundMenu(rounds=(plain_round_fn,) + drafting,
                      choose=lambda s: choose(config, s.drafter[1], width)[0],
-                     streaks=(streak,) + (None,) * len(drafting))
+                     streaks=(streak,) + (None,) * len(drafting), tail_layers=tail_layers)
 
   def _branch(self, model: Transformer, drafter_params, shape: Shape,
               sampling: SamplingParams):
