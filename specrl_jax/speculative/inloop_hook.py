@@ -130,8 +130,8 @@ class InLoopSpeculation:
     drafting = tuple(round_of(i, shape) for i, shape in enumerate(config.shapes) if i > 0)
     # A drafter that catches up before it drafts re-feeds the prompt's partly filled last
     # page then, so admission copies that page for the target's layers only: the copy of
-    # the drafter's own layers cost the tiny preset's plain rounds about 1% (two gathers and two
-    # scatters a round, for the rare round that admits).
+    # the drafter's own layers cost the tiny preset's plain rounds about 1% (two gathers
+    # and two scatters a round, for the rare round that admits).
     tail_layers = model.config.num_layers if self.drafter.catches_up else None
     return RoundMenu(rounds=(plain_round_fn,) + drafting,
                      choose=lambda s: choose(config, s.drafter[1], width)[0],
