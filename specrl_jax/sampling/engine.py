@@ -126,7 +126,8 @@ class Prompts:
 
 @flax.struct.dataclass
 class DecodeState:
-  """Everything the decode loop carries. N slots, M pages per slot, R requests, L new tokens."""
+  """Everything the decode loop carries. N slots, M pages per slot, R requests, L new tokens,
+  U distinct prompts of T tokens (padded)."""
   pool: PagePool
   kv: PagedKV
   num_pages_N: Array
